@@ -1,0 +1,163 @@
+"""vLLM 0.11.0: the release speculators 0.3.0 was written against (root of the adapter chain).
+
+Everything later adapters override is implemented here the 0.11.0 way. Besides, three things are
+fixed for every release, because speculators' own choices break on some platform or build:
+
+- the KV block size: speculators hard-codes 16; the platform must choose it (CPU attention wants
+  a multiple of 32 from 0.16, CPU MLA forces 16, CUDA FlashMLA 64), and the scheduler must use the
+  size vLLM resolved, or it maps tokens to the wrong KV slots;
+- prefix caching: 0.3.0 leaves it on (the V1 default); states must never come from another call;
+- async scheduling: speculators drives the synchronous ``Scheduler`` by hand, so the config must
+  say synchronous, or workers take the asynchronous output path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speccompat.adapter import Adapter as _Base
+from speccompat.adapter import Change
+from speccompat.errors import DriftError
+from speccompat.probe import Symbol, fingerprint
+
+KV = "vllm.v1.core.kv_cache_utils"
+EXEC = "vllm.v1.executor.multiproc_executor:MultiprocExecutor"
+SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+
+
+class Adapter(_Base):
+    since = "0.11.0"
+    changes = (
+        Change(
+            vllm="0.11.0",
+            what="CacheConfig.block_size defaults to None and the platform picks it "
+            "(vllm/platforms/cpu.py: 128 with IPEX, else 16; later releases differ per backend)",
+            breaks="speculators passes block_size=16 to CacheConfig and to Scheduler: rejected by "
+            "CPU attention from 0.30 ('No common block size for 16'), and a scheduler block size "
+            "different from the KV cache's maps tokens to wrong slots",
+            how="CacheConfig is built without speculators' block_size; Scheduler gets the size "
+            "vLLM resolved (cache_config.block_size, checked against the KV cache group)",
+            remove_when="never for speculators 0.3/0.4 (their constant is fixed at 16)",
+        ),
+        Change(
+            vllm="0.11.0",
+            what="V1 enables prefix caching by default (CacheConfig.enable_prefix_caching)",
+            breaks="speculators 0.3.0 does not disable it; hidden states of repeated prefixes "
+            "could come from KV computed in an earlier call",
+            how="CacheConfig(enable_prefix_caching=False) for every speculators line",
+            remove_when="never for speculators 0.3.0",
+        ),
+    )
+    requires = fingerprint(
+        [
+            Symbol("vllm.config:CacheConfig", accepts=("block_size", "gpu_memory_utilization",
+                                                       "enable_prefix_caching"), why="cache_config"),
+            Symbol("vllm.config:SchedulerConfig", accepts=("max_num_seqs", "max_num_batched_tokens",
+                                                           "max_model_len", "async_scheduling"),
+                   rejects=("is_encoder_decoder",), why="scheduler_config"),
+            Symbol("vllm.config:ModelConfig", accepts=("model", "tokenizer", "trust_remote_code",
+                                                       "dtype", "max_model_len", "enforce_eager")),
+            Symbol("vllm.config:ParallelConfig", accepts=("tensor_parallel_size", "worker_extension_cls")),
+            Symbol("vllm.config:DeviceConfig"),
+            Symbol("vllm.config:LoadConfig"),
+            Symbol("vllm.config:VllmConfig", accepts=("model_config", "cache_config", "parallel_config",
+                                                      "scheduler_config", "device_config", "load_config")),
+            Symbol("vllm.sampling_params:SamplingParams", accepts=("max_tokens", "temperature")),
+            Symbol(f"{KV}:get_kv_cache_config_from_groups",
+                   accepts=("vllm_config", "kv_cache_groups", "kv_cache_specs", "available_memory"),
+                   why="kv_cache_config_from_groups"),
+            Symbol(f"{KV}:_get_kv_cache_groups_uniform_spec", accepts=("kv_cache_specs",)),
+            Symbol(f"{KV}:unify_hybrid_kv_cache_specs", accepts=("kv_cache_spec",)),
+            Symbol(f"{KV}:get_request_block_hasher", why="speculators 0.4 imports it"),
+            Symbol(f"{KV}:init_none_hash", accepts=("hash_fn",)),
+            Symbol("vllm.utils:get_hash_fn_by_name", accepts=("hash_fn_name",),
+                   why="speculators 0.4 imports it from vllm.utils.hashing (moved_names)"),
+            Symbol(SCHED, accepts=("vllm_config", "kv_cache_config", "structured_output_manager"),
+                   rejects=("block_size",), why="scheduler"),
+            Symbol(f"{SCHED}.schedule"),
+            Symbol(f"{SCHED}.add_request", accepts=("request",)),
+            Symbol(f"{SCHED}.update_from_output", accepts=("scheduler_output", "model_runner_output"),
+                   why="generate: finish each request when its prefill is done"),
+            Symbol(f"{SCHED}.finish_requests", accepts=("request_ids", "finished_status")),
+            Symbol("vllm.v1.request:Request", accepts=("request_id", "prompt_token_ids", "sampling_params",
+                                                       "pooling_params", "eos_token_id", "arrival_time",
+                                                       "block_hasher"), why="request"),
+            Symbol("vllm.v1.request:RequestStatus.FINISHED_ABORTED"),
+            Symbol("vllm.v1.structured_output:StructuredOutputManager", accepts=("vllm_config",)),
+            Symbol(EXEC, why="executor"),
+            Symbol(f"{EXEC}.collective_rpc", accepts=("method", "args", "unique_reply_rank"),
+                   rejects=("kv_output_aggregator",), why="unique_reply: list reply"),
+            Symbol(f"{EXEC}.execute_model", accepts=("scheduler_output",), why="execute"),
+            Symbol(f"{EXEC}.sample_tokens", absent=True, why="execute: one phase"),
+            Symbol(f"{EXEC}.initialize_from_config", accepts=("kv_cache_configs",)),
+            Symbol(f"{EXEC}.shutdown"),
+            Symbol("vllm.distributed:get_tp_group", why="worker capture: TP rank 0 keeps the states"),
+            Symbol("vllm.distributed:get_pp_group", why="speculators' worker module imports it"),
+            Symbol("vllm.sequence:IntermediateTensors", why="speculators' worker module imports it"),
+            Symbol("vllm.model_executor.models.interfaces:supports_eagle3",
+                   why="speculators 0.3.0's worker module imports it"),
+            Symbol("vllm.distributed:tensor_model_parallel_all_gather", why="worker capture: SP shards"),
+            Symbol("vllm.platforms:current_platform"),
+        ]
+    )
+
+    # ------------------------------------------------------------------------------ import time
+    def moved_names(self) -> dict[tuple[str, str], str]:
+        # speculators 0.4 imports get_hash_fn_by_name from where 0.11.1 put it.
+        return {("vllm.utils.hashing", "get_hash_fn_by_name"): "vllm.utils"}
+
+    # ------------------------------------------------------------------------------ config time
+    def cache_config(self, cls: Any, **kw: Any) -> Any:
+        kw.pop("block_size", None)
+        kw["enable_prefix_caching"] = False
+        return cls(**kw)
+
+    def scheduler_config(self, cls: Any, **kw: Any) -> Any:
+        # SchedulerConfig has no is_encoder_decoder yet (speculators 0.4 passes it).
+        kw.pop("is_encoder_decoder", None)
+        kw["async_scheduling"] = False
+        return cls(**kw)
+
+    def kv_cache_config_from_groups(self, fn: Any, **kw: Any) -> Any:
+        # 0.11.x still requires kv_cache_specs; speculators 0.4 no longer passes it. It is exactly
+        # the per-layer spec of the groups, so rebuild it from them.
+        if kw.get("kv_cache_specs") is None:
+            kw["kv_cache_specs"] = {
+                layer: group.kv_cache_spec for group in kw["kv_cache_groups"] for layer in group.layer_names
+            }
+        return fn(**kw)
+
+    @staticmethod
+    def resolved_block_size(vllm_config: Any, kv_cache_config: Any) -> int:
+        """The block size of the KV cache the workers built, made the config's, as EngineCore does.
+
+        Workers may change the block size after loading the model (vLLM 0.18+:
+        ``update_block_size_for_backend``), so the driver's config can be stale; the KV cache
+        specs the workers reported are the truth.
+        """
+        sizes = [g.kv_cache_spec.block_size for g in getattr(kv_cache_config, "kv_cache_groups", ())]
+        if sizes:
+            vllm_config.cache_config.block_size = min(sizes)
+        return int(vllm_config.cache_config.block_size)
+
+    def scheduler(self, cls: Any, **kw: Any) -> Any:
+        self.resolved_block_size(kw["vllm_config"], kw["kv_cache_config"])
+        kw.pop("block_size", None)  # no block_size parameter yet
+        return cls(**kw)
+
+    def request(self, cls: Any, **kw: Any) -> Any:
+        return cls(**kw)
+
+    # ---------------------------------------------------------------------------- executor life
+    def execute(self, executor: Any, scheduler_output: Any) -> Any:
+        return executor.execute_model(scheduler_output)
+
+    def unique_reply(self, reply: Any) -> Any:
+        if not isinstance(reply, list) or len(reply) != 1:
+            raise DriftError(
+                "collective_rpc(unique_reply_rank=0) was expected to return a one-element list "
+                f"on this vLLM, got {type(reply).__name__}",
+                symbol=f"{EXEC}.collective_rpc",
+                problem="reply shape",
+            )
+        return reply[0]

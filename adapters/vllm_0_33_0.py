@@ -1,0 +1,60 @@
+"""vLLM 0.33.0: KV-cache planning moves to its own module; set_kv_cache_layout takes a CP size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from speccompat.adapter import Change
+from speccompat.probe import Symbol, fingerprint
+
+from . import vllm_0_29_0 as prev
+from .vllm_0_11_0 import EXEC, KV
+
+PLANNING = "vllm.v1.core.kv_cache_planning"
+MOVED = ("get_kv_cache_config_from_groups", "_get_kv_cache_groups_uniform_spec", "unify_hybrid_kv_cache_specs")
+
+
+class Adapter(prev.Adapter):
+    since = "0.33.0"
+    changes = (
+        Change(
+            vllm="0.33.0",
+            what="get_kv_cache_config_from_groups, _get_kv_cache_groups_uniform_spec, "
+            "unify_hybrid_kv_cache_specs move to vllm.v1.core.kv_cache_planning and are not "
+            "re-exported by kv_cache_utils (vllm/v1/core/kv_cache_planning.py:642,314,853)",
+            breaks="speculators 0.3/0.4 fail at import: ImportError",
+            how="speculators' generator module is executed with a scoped __import__ that serves "
+            "these three names from kv_cache_planning (moved_names); vLLM's modules are untouched. "
+            "apply() must therefore run before speculators.data_generation is imported",
+            remove_when="never for speculators 0.3/0.4",
+        ),
+        Change(
+            vllm="0.33.0",
+            what="Executor.set_kv_cache_layout(layout_name, cp_kv_cache_interleave_size) takes a "
+            "required second argument (vllm/v1/executor/abstract.py:183)",
+            breaks="the 0.29 layout step would raise TypeError",
+            how="publish_layout() passes parallel_config.cp_kv_cache_interleave_size, as EngineCore",
+            remove_when="never for speculators 0.3/0.4",
+        ),
+    )
+    requires = fingerprint(
+        prev.Adapter.requires,
+        [Symbol(f"{KV}:{name}", absent=True, why="moved_names") for name in MOVED],
+        [
+            Symbol(f"{PLANNING}:get_kv_cache_config_from_groups",
+                   accepts=("vllm_config", "kv_cache_groups", "available_memory"),
+                   rejects=("kv_cache_specs",), why="kv_cache_config_from_groups"),
+            Symbol(f"{PLANNING}:_get_kv_cache_groups_uniform_spec", accepts=("kv_cache_specs",)),
+            Symbol(f"{PLANNING}:unify_hybrid_kv_cache_specs", accepts=("kv_cache_spec",)),
+            Symbol(f"{EXEC}.set_kv_cache_layout", accepts=("layout_name", "cp_kv_cache_interleave_size"),
+                   why="publish_layout"),
+        ],
+    )
+
+    def moved_names(self) -> dict[tuple[str, str], str]:
+        return {**super().moved_names(), **{(KV, name): PLANNING for name in MOVED}}
+
+    def publish_layout(self, executor: Any, layout_name: str) -> None:
+        executor.set_kv_cache_layout(
+            layout_name, executor.vllm_config.parallel_config.cp_kv_cache_interleave_size
+        )

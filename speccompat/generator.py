@@ -1,0 +1,220 @@
+"""Driver-side replacements for ``VllmHiddenStatesGenerator`` methods.
+
+``generate`` is rewritten because speculators 0.3/0.4's loop produces wrong data without raising:
+
+- it never tells the scheduler that a request finished, so only the first ``MAX_NUM_SEQS`` (32)
+  requests are ever admitted; the rest never run;
+- it returns results in ``sorted()`` request-id order (``req_0_10`` before ``req_0_2``);
+- its token bookkeeping relies on the V1 runner's ``input_batch`` and on speculators' own forward.
+
+The loop here is the engine's own step (schedule, execute, ``update_from_output``), so each request
+finishes right after its prefill, frees its KV blocks and lets the next one in; chunked prefill and
+preemption are whatever vLLM's scheduler does. Results come back in input order and are validated
+(count, order, shape, finiteness) before they are returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import sys
+from typing import Any
+
+from .errors import HiddenStatesError
+
+__all__ = ["compat_del", "compat_generate", "normalize_token_ids", "validate_results", "wrap_init"]
+
+logger = logging.getLogger("speccompat.generator")
+
+
+def normalize_token_ids(token_ids: Any, *, vocab_size: int, max_len: int) -> tuple[list[list[int]], list[int]]:
+    """Check and copy the caller's input. Returns (sequences, indices of truncated sequences).
+
+    Accepts a list of sequences (lists/tuples/1-D tensors/arrays of ints) or a 2-D integer tensor.
+    Raises ``ValueError``/``TypeError`` naming the first bad sequence; nothing is scheduled then.
+    Sequences longer than ``max_len`` are truncated to it, as speculators documents.
+    """
+    if hasattr(token_ids, "tolist") and hasattr(token_ids, "dim"):
+        if token_ids.dim() != 2:
+            raise ValueError(f"token_ids tensor must be 2-D [batch, seq], got shape {tuple(token_ids.shape)}")
+        if token_ids.is_floating_point() or token_ids.is_complex():
+            raise TypeError(f"token_ids tensor must hold integers, got dtype {token_ids.dtype}")
+        token_ids = token_ids.tolist()
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__len__"):
+        raise TypeError(f"token_ids must be a list of token id sequences, got {type(token_ids).__name__}")
+    if len(token_ids) == 0:
+        raise ValueError("token_ids is empty: give at least one sequence of token ids")
+    seqs: list[list[int]] = []
+    truncated: list[int] = []
+    for i, seq in enumerate(token_ids):
+        if hasattr(seq, "tolist") and not isinstance(seq, (list, tuple)):
+            seq = seq.tolist()
+        if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)):
+            raise TypeError(f"sequence {i}: expected a list of token ids, got {type(seq).__name__}")
+        if len(seq) == 0:
+            raise ValueError(f"sequence {i} is empty")
+        out = []
+        for j, tok in enumerate(seq):
+            if isinstance(tok, bool) or isinstance(tok, float):
+                raise TypeError(f"sequence {i}, position {j}: token id {tok!r} is not an integer")
+            try:
+                t = operator.index(tok)
+            except TypeError:
+                raise TypeError(f"sequence {i}, position {j}: token id {tok!r} is not an integer") from None
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"sequence {i}, position {j}: token id {t} outside the vocabulary [0, {vocab_size})")
+            out.append(t)
+        if len(out) > max_len:
+            truncated.append(i)
+            out = out[:max_len]
+        seqs.append(out)
+    return seqs, truncated
+
+
+def validate_results(results: list[dict[str, Any]], seqs: list[list[int]], num_layers: int, hidden: int) -> None:
+    """Raise :class:`HiddenStatesError` unless every result matches its input exactly."""
+    import torch
+
+    if len(results) != len(seqs):
+        raise HiddenStatesError(f"{len(results)} results for {len(seqs)} sequences")
+    for i, (res, seq) in enumerate(zip(results, seqs)):
+        ids = res["input_ids"]
+        if ids.tolist() != seq:
+            raise HiddenStatesError(f"sequence {i}: input_ids differ from the input (order mix-up)")
+        states = res["hidden_states"]
+        if len(states) != num_layers:
+            raise HiddenStatesError(f"sequence {i}: {len(states)} layers, expected {num_layers}")
+        for j, h in enumerate(states):
+            if tuple(h.shape) != (len(seq), hidden):
+                raise HiddenStatesError(
+                    f"sequence {i}, layer {j}: shape {tuple(h.shape)}, expected ({len(seq)}, {hidden})"
+                )
+            if not bool(torch.isfinite(h).all()):
+                raise HiddenStatesError(f"sequence {i}, layer {j}: non-finite values")
+
+
+def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
+    """Extract hidden states of the prefill of each sequence (speculators' contract, fixed).
+
+    Returns, in input order, one dict per sequence: ``input_ids`` (LongTensor [n]),
+    ``hidden_states`` (one tensor [n, hidden_size] per layer id, the residual stream after that
+    decoder layer, before the final norm) and ``loss_mask`` (``None``).
+    """
+    import torch
+
+    from ._state import STATE
+
+    adapter = STATE.require_adapter()
+    mod = sys.modules[type(self).__module__]
+    vllm_config = self.vllm_config
+    model_config = vllm_config.model_config
+    max_len = model_config.max_model_len - 1  # max_tokens=1 must still fit
+    seqs, truncated = normalize_token_ids(token_ids, vocab_size=model_config.get_vocab_size(), max_len=max_len)
+    if truncated:
+        logger.warning(
+            "speccompat: %d sequence(s) longer than max_model_len - 1 = %d truncated (indices %s)",
+            len(truncated), max_len, truncated[:10],
+        )
+
+    call = getattr(self, "_request_counter", 0)
+    self._request_counter = call + 1
+    req_ids = [f"req_{call}_{i}" for i in range(len(seqs))]
+    executor, scheduler = self.executor, self.scheduler
+
+    executor.collective_rpc("_reset_capture")
+    sampling = mod.SamplingParams(max_tokens=1, temperature=0.0)
+    for rid, seq in zip(req_ids, seqs):
+        scheduler.add_request(
+            mod.Request(
+                request_id=rid,
+                prompt_token_ids=seq,
+                sampling_params=sampling,
+                pooling_params=None,
+                eos_token_id=getattr(self.tokenizer, "eos_token_id", None),
+                arrival_time=0.0,
+                block_hasher=None,
+            )
+        )
+    live = set(req_ids)
+    steps = 0
+    try:
+        while live:
+            so = scheduler.schedule()
+            if so.total_num_scheduled_tokens == 0:
+                raise HiddenStatesError(
+                    f"the scheduler could not schedule {len(live)} remaining sequence(s) "
+                    "(KV cache too small for them?); raise gpu_memory_utilization or shorten them"
+                )
+            output = adapter.execute(executor, so)
+            scheduler.update_from_output(so, output)
+            live = {r for r in live if (q := scheduler.requests.get(r)) is not None and not q.is_finished()}
+            steps += 1
+    except BaseException:
+        _abort(mod, scheduler, req_ids)
+        raise
+    _abort(mod, scheduler, req_ids)  # no-op for finished requests; frees anything left
+    logger.debug("speccompat: %d sequences in %d steps", len(seqs), steps)
+
+    reply = adapter.unique_reply(
+        executor.collective_rpc("_get_captured_states", args=(req_ids,), unique_reply_rank=0)
+    )
+    if not reply:
+        raise HiddenStatesError("the workers returned no captured states")
+    if reply["req_ids"] != req_ids:
+        raise HiddenStatesError("the workers returned states for other requests than scheduled")
+    lengths = [len(s) for s in seqs]
+    if reply["lengths"] != lengths:
+        raise HiddenStatesError(f"token counts {reply['lengths'][:8]}... differ from the inputs {lengths[:8]}...")
+    #: How the last call was scheduled: steps, sequences prefilled in several chunks, restarts.
+    self._speccompat_stats = dict(reply.get("stats", {}), driver_steps=steps)
+    split = [torch.split(layer, lengths) for layer in reply["layers"]]
+    results = [
+        {
+            "input_ids": torch.tensor(seq, dtype=torch.long),
+            # clone(): each sequence owns its memory, so saving one does not save the whole batch.
+            "hidden_states": [split[j][i].clone() for j in range(len(split))],
+            "loss_mask": None,
+        }
+        for i, seq in enumerate(seqs)
+    ]
+    validate_results(results, seqs, len(self.layer_ids), model_config.get_hidden_size())
+    return results
+
+
+def _abort(mod: Any, scheduler: Any, req_ids: list[str]) -> None:
+    left = [r for r in req_ids if (q := scheduler.requests.get(r)) is not None and not q.is_finished()]
+    if left:
+        scheduler.finish_requests(left, mod.RequestStatus.FINISHED_ABORTED)
+
+
+def wrap_init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
+    """wrapt wrapper of ``__init__``: reject bad layer ids before any engine starts."""
+    names = ("model_path", "layer_ids")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    layer_ids = bound.get("layer_ids")
+    if layer_ids is not None:
+        if isinstance(layer_ids, (str, bytes)) or not hasattr(layer_ids, "__iter__"):
+            raise TypeError(f"layer_ids must be a list of ints, got {type(layer_ids).__name__}")
+        layer_ids = list(layer_ids)
+        bad = [x for x in layer_ids if isinstance(x, bool) or not isinstance(x, int)]
+        if bad:
+            raise TypeError(f"layer_ids must be ints, got {bad}")
+        dup = sorted({x for x in layer_ids if layer_ids.count(x) > 1})
+        if dup:
+            raise ValueError(f"duplicate layer ids {dup} in {layer_ids}")
+        if not layer_ids:
+            raise ValueError("layer_ids is empty")
+    return wrapped(*args, **kwargs)
+
+
+def compat_del(self: Any) -> None:
+    """``__del__`` that shuts the executor down quietly, also at interpreter exit."""
+    executor = self.__dict__.get("executor")
+    if executor is None:
+        return
+    self.__dict__["executor"] = None
+    try:
+        executor.shutdown()
+    except Exception:  # noqa: BLE001, S110 - logging may already be torn down at exit
+        pass

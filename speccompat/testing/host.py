@@ -1,0 +1,106 @@
+"""An engine host: one speculators generator in its own process, driven over a socket.
+
+Tests share engines (start-up takes 10-40 s) and need engines of different speculators versions
+in one test session; a separate process per engine gives both. The host puts the requested
+speculators version first on ``sys.path`` (and on ``PYTHONPATH``, which vLLM's spawned workers
+inherit), calls ``speccompat.apply()`` unless told not to, builds the generator and answers
+requests until it is told to stop or its parent goes away.
+
+    python -m speccompat.testing.host --address ADDR --model PATH --layer-ids 1 3 5 [...]
+
+Requests (pickled over ``multiprocessing.connection``): ``{"op": "generate", "token_ids": ...}``,
+``{"op": "status"}``, ``{"op": "stop"}``. Replies: ``{"ok": True, "result": ...}`` or
+``{"ok": False, "type": ..., "error": ..., "traceback": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+AUTHKEY = b"speccompat-engine-host"
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from multiprocessing.connection import Client
+
+    conn = Client(args.address, authkey=AUTHKEY)
+    t0 = time.time()
+    try:
+        if not args.no_apply:
+            import speccompat
+
+            speccompat.apply()
+        from speculators.data_generation import VllmHiddenStatesGenerator
+
+        kwargs: dict[str, Any] = {
+            "layer_ids": args.layer_ids,
+            "max_model_len": args.max_model_len,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "tensor_parallel_size": args.tp,
+        }
+        if args.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+        gen = VllmHiddenStatesGenerator(args.model, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test, which decides
+        conn.send({"ok": False, "type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()})
+        return
+    conn.send({"ok": True, "result": {"startup_s": time.time() - t0, "pid": os.getpid()}})
+    while True:
+        try:
+            req = conn.recv()
+        except (EOFError, OSError):
+            break
+        op = req.get("op")
+        if op == "stop":
+            break
+        try:
+            if op == "generate":
+                t = time.time()
+                out = gen.generate(req["token_ids"])
+                result: Any = {
+                    "results": out,
+                    "seconds": time.time() - t,
+                    "stats": getattr(gen, "_speccompat_stats", None),
+                }
+            elif op == "status":
+                import speccompat
+
+                result = speccompat.status().as_dict()
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            conn.send({"ok": True, "result": result})
+        except BaseException as exc:  # noqa: BLE001
+            conn.send({"ok": False, "type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()})
+    try:
+        gen.executor.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--layer-ids", type=int, nargs="+", required=True)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--speculators-path", default="")
+    ap.add_argument("--no-apply", action="store_true")
+    args = ap.parse_args()
+    if args.speculators_path:
+        sys.path.insert(0, args.speculators_path)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (args.speculators_path, os.environ.get("PYTHONPATH", "")) if p
+        )
+    _serve(args)
+
+
+if __name__ == "__main__":
+    main()
