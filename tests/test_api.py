@@ -1,0 +1,259 @@
+"""apply()/revert()/status() end to end, in fresh interpreters, against fake vLLM and speculators
+packages built from the adapters' own fingerprints (no torch, no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from fakes import write_fake_speculators, write_fake_vllm
+from speccompat.registry import by_name
+
+
+def world(tmp_path, vllm_version="0.32.0", adapter="vllm_0_29_0", speculators="0.4.0.1", drop=()):
+    syms = [s for s in by_name(adapter).requires.values() if s.path not in drop]
+    write_fake_vllm(tmp_path, syms, version=vllm_version)
+    if speculators:
+        write_fake_speculators(tmp_path, speculators)
+    return [tmp_path]
+
+
+PRELUDE = """
+import json, sys, speccompat
+GEN = "speculators.data_generation.vllm_hidden_states_generator"
+def states(st):
+    return {p["id"]: p["state"] for p in st.patches}
+"""
+
+
+def prog(code: str) -> str:
+    return PRELUDE + textwrap.dedent(code)
+
+
+def test_import_and_apply_import_neither_torch_nor_vllm(tmp_path, py):
+    out = py(
+        prog(
+        """
+        st = speccompat.apply()
+        print(json.dumps([st.state, st.adapter, "torch" in sys.modules, "vllm" in sys.modules,
+                          sorted(set(states(st).values()))]))
+        """),
+        path=world(tmp_path),
+    ).stdout.splitlines()[-1]
+    assert json.loads(out) == ["armed", "vllm_0_29_0", False, False, ["pending"]]
+
+
+def test_apply_patches_names_speculators_imported_and_revert_restores_them(tmp_path, py):
+    out = py(
+        prog(
+        """
+        speccompat.apply()
+        import speculators.data_generation as dg, speculators.data_generation.custom_worker as cw
+        import vllm.config, vllm.v1.request, vllm.v1.executor.multiproc_executor as mpe
+        gen = sys.modules[GEN]
+        G, E = gen.VllmHiddenStatesGenerator, cw.HiddenStatesWorkerExtension
+        st = speccompat.status()
+        print(json.dumps(states(st)))
+        print(json.dumps([
+            gen.CacheConfig is vllm.config.CacheConfig,
+            gen.Request is vllm.v1.request.Request,
+            issubclass(gen.MultiprocExecutor, mpe.MultiprocExecutor) and gen.MultiprocExecutor is not mpe.MultiprocExecutor,
+            G.generate.__name__, hasattr(E, "_speccompat_info"),
+            vllm.v1.request.Request.__module__,  # vLLM's own module is untouched
+        ]))
+        reverted = speccompat.revert()
+        print(json.dumps([
+            len(reverted),
+            gen.CacheConfig is vllm.config.CacheConfig,
+            gen.MultiprocExecutor is mpe.MultiprocExecutor,
+            G(None).generate([[1]]), E()._setup_hidden_states_capture([1]), hasattr(E, "_speccompat_info"),
+            speccompat.status().state, "SPECCOMPAT_APPLY" in __import__("os").environ,
+        ]))
+        """),
+        path=world(tmp_path),
+    ).stdout.splitlines()
+    applied = json.loads(out[-3])
+    assert applied["generator.CacheConfig"] == "applied"
+    assert applied["worker._speccompat_info"] == "applied"
+    assert applied["generator.torch"] == "skipped"
+    assert json.loads(out[-2]) == [False, False, True, "compat_generate", True, "vllm.v1.request"]
+    n_applied = sum(1 for s in applied.values() if s == "applied")
+    assert json.loads(out[-1]) == [n_applied, True, True, "original generate", "original setup", False,
+                                   "inactive", False]
+
+
+def test_apply_after_import_reaches_names_already_imported(tmp_path, py):
+    out = py(
+        prog(
+        """
+        import speculators.data_generation as dg
+        from speculators.data_generation import VllmHiddenStatesGenerator as G
+        import vllm.config
+        before = sys.modules[GEN].CacheConfig is vllm.config.CacheConfig
+        st = speccompat.apply()
+        print(json.dumps([before, st.state, sys.modules[GEN].CacheConfig is vllm.config.CacheConfig,
+                          G.generate.__name__]))
+        """),
+        path=world(tmp_path),
+    ).stdout.splitlines()[-1]
+    assert json.loads(out) == [True, "active", False, "compat_generate"]
+
+
+def test_apply_twice_threads_and_revert_then_apply(tmp_path, py):
+    out = py(
+        prog(
+        """
+        import threading
+        from speccompat import patching
+        barrier = threading.Barrier(6)
+        def go():
+            barrier.wait(); speccompat.apply()
+        ts = [threading.Thread(target=go) for _ in range(6)]
+        [t.start() for t in ts]; [t.join() for t in ts]
+        import speculators.data_generation
+        n1 = len(patching.applied_ids())
+        speccompat.apply()
+        n2 = len(patching.applied_ids())
+        speccompat.revert()
+        n3 = len(patching.applied_ids())
+        speccompat.apply()
+        G = sys.modules[GEN].VllmHiddenStatesGenerator
+        print(json.dumps([n1, n2, n3, len(patching.applied_ids()), G.generate.__name__,
+                          len(set(patching.applied_ids())) == len(patching.applied_ids())]))
+        """),
+        path=world(tmp_path),
+    ).stdout.splitlines()[-1]
+    n1, n2, n3, n4, name, unique = json.loads(out)
+    assert n1 == n2 == n4 > 0 and n3 == 0 and name == "compat_generate" and unique
+
+
+def test_drifted_symbol_fails_loudly_and_applies_nothing_to_the_module(tmp_path, py):
+    dropped = "vllm.v1.core.sched.scheduler:Scheduler.update_from_output"
+    proc = py(
+        prog(
+        """
+        speccompat.apply()
+        import vllm.config
+        try:
+            import speculators.data_generation
+        except speccompat.DriftError as e:
+            print("DRIFT", e.symbol)
+            print("MSG", e)
+        gen = sys.modules.get(GEN)
+        print("GEN", gen is None or gen.__dict__.get("CacheConfig") is vllm.config.CacheConfig)
+        """),
+        path=world(tmp_path, drop=(dropped,)),
+    ).stdout
+    assert f"DRIFT {dropped}" in proc
+    assert "vLLM 0.32.0 does not match adapter vllm_0_29_0" in proc and "not found" in proc
+    assert "a release listed in compat_matrix.yaml" in proc
+    assert "GEN True" in proc  # the generator module kept vLLM's names: nothing half-applied
+
+
+def test_unknown_nightly_matching_a_known_adapter_is_accepted_with_a_warning(tmp_path, py):
+    out = py(
+        prog(
+        """
+        st = speccompat.apply()
+        import speculators.data_generation
+        st = speccompat.status()
+        print(json.dumps([st.state, st.adapter, st.vllm["dev"], st.matrix_row, st.warnings]))
+        """),
+        path=world(tmp_path, vllm_version="0.34.0.dev5+g0123abc", adapter="vllm_0_33_0"),
+    ).stdout.splitlines()[-1]
+    state, adapter, dev, row, warnings = json.loads(out)
+    assert (state, adapter, dev, row) == ("active", "vllm_0_33_0", True, None)
+    assert any("no compat_matrix.yaml row" in w and "0.34.0.dev5" in w for w in warnings)
+
+
+def test_unknown_nightly_matching_no_adapter_names_the_drifted_symbol(tmp_path, py):
+    dropped = "vllm.v1.request:Request"
+    proc = py(
+        prog(
+        """
+        speccompat.apply()
+        try:
+            import speculators.data_generation
+        except speccompat.DriftError as e:
+            print("DRIFT", e.symbol, "|", e)
+        """),
+        path=world(tmp_path, vllm_version="0.34.0.dev5", adapter="vllm_0_33_0", drop=(dropped,)),
+    ).stdout
+    assert f"DRIFT {dropped}" in proc and "no other adapter matches" in proc
+
+
+def test_a_nightly_is_served_by_the_adapter_its_signatures_match(tmp_path, py):
+    # A 0.29 nightly that already has 0.33's changes: the version suggests vllm_0_29_0, the
+    # fingerprint says vllm_0_33_0.
+    out = py(
+        prog(
+        """
+        speccompat.apply()
+        import speculators.data_generation
+        st = speccompat.status()
+        print(json.dumps([st.adapter, st.selection]))
+        """),
+        path=world(tmp_path, vllm_version="0.29.1.dev3", adapter="vllm_0_33_0"),
+    ).stdout.splitlines()[-1]
+    assert json.loads(out)[0] == "vllm_0_33_0" and "fingerprint" in json.loads(out)[1]
+
+
+@pytest.mark.parametrize(
+    ("speculators", "vllm", "expect"),
+    [
+        ("0.5.0", "0.32.0", "speculators 0.5.0 is not supported"),
+        (None, "0.32.0", "speculators is not installed"),
+        ("0.4.0.1", None, "vLLM is not installed"),
+        ("0.4.0.1", "0.10.2", "older than every adapter"),
+    ],
+)
+def test_unsupported_combinations_warn_and_apply_nothing_or_raise_when_strict(tmp_path, py, speculators, vllm, expect):
+    if vllm:
+        write_fake_vllm(tmp_path, [], version=vllm)
+    if speculators:
+        write_fake_speculators(tmp_path, speculators)
+    out = py(
+        prog(
+        """
+        st = speccompat.apply()
+        from speccompat import patching, importhooks
+        print(json.dumps([st.state, st.warnings, patching.applied_ids(), importhooks.watched()]))
+        speccompat.revert()
+        try:
+            speccompat.apply(strict=True)
+        except speccompat.UnsupportedError as e:
+            print("STRICT", e)
+        """),
+        path=[tmp_path],
+    ).stdout.splitlines()
+    state, warnings, applied, watched = json.loads(out[-2])
+    assert state == "unsupported" and applied == [] and watched == []
+    assert any(expect in w for w in warnings)
+    assert out[-1].startswith("STRICT") and expect in out[-1]
+
+
+def test_strict_mode_from_environment_rejects_a_version_without_matrix_row(tmp_path, py):
+    proc = py(
+        prog("speccompat.apply()\n"),
+        path=world(tmp_path, vllm_version="0.34.0.dev5", adapter="vllm_0_33_0"),
+        env={"SPECCOMPAT_STRICT": "1"},
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "UnsupportedError" in proc.stderr and "no compat_matrix.yaml row" in proc.stderr
+    assert "0.34.0.dev5" in proc.stderr
+
+
+def test_version_override_for_builds_with_odd_versions(tmp_path, py):
+    out = py(
+        prog(
+        """
+        st = speccompat.apply()
+        print(json.dumps([st.vllm["raw"], st.vllm["source"], st.adapter]))
+        """),
+        path=world(tmp_path, vllm_version="0.0.0+internal"),
+        env={"SPECCOMPAT_VLLM_VERSION": "0.32.0"},
+    ).stdout.splitlines()[-1]
+    assert json.loads(out) == ["0.32.0", "env:SPECCOMPAT_VLLM_VERSION", "vllm_0_29_0"]
