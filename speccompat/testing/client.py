@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .host import AUTHKEY
+from .host import AUTHKEY, recv, send
 
 __all__ = ["EngineError", "EngineHost"]
 
@@ -85,7 +85,7 @@ class EngineHost:
     def _reply(self) -> Any:
         if not self.conn.poll(self.timeout):
             raise TimeoutError(f"engine host silent for {self.timeout} s (see {self.log_path})")
-        reply = self.conn.recv()
+        reply = recv(self.conn)
         if not reply["ok"]:
             raise EngineError(reply)
         return reply["result"]
@@ -93,7 +93,7 @@ class EngineHost:
     def call(self, op: str, **kw: Any) -> Any:
         if self.conn is None:
             raise RuntimeError("engine host is not running")
-        self.conn.send({"op": op, **kw})
+        send(self.conn, {"op": op, **kw})
         return self._reply()
 
     def generate(self, token_ids: Any) -> dict[str, Any]:
@@ -111,7 +111,7 @@ class EngineHost:
     def stop(self) -> None:
         if self.conn is not None:
             try:
-                self.conn.send({"op": "stop"})
+                send(self.conn, {"op": "stop"})
             except OSError:
                 pass
             self.conn.close()

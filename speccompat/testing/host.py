@@ -25,6 +25,20 @@ from typing import Any
 AUTHKEY = b"speccompat-engine-host"
 
 
+def send(conn: Any, obj: Any) -> None:
+    """Plain pickle: Connection.send would use torch's shared-memory reducers, which need the
+    two processes to be multiprocessing relatives (same authkey)."""
+    import pickle
+
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def recv(conn: Any) -> Any:
+    import pickle
+
+    return pickle.loads(conn.recv_bytes())
+
+
 def _serve(args: argparse.Namespace) -> None:
     from multiprocessing.connection import Client
 
@@ -47,12 +61,12 @@ def _serve(args: argparse.Namespace) -> None:
             kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
         gen = VllmHiddenStatesGenerator(args.model, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported to the test, which decides
-        conn.send({"ok": False, "type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()})
+        send(conn, {"ok": False, "type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()})
         return
-    conn.send({"ok": True, "result": {"startup_s": time.time() - t0, "pid": os.getpid()}})
+    send(conn, {"ok": True, "result": {"startup_s": time.time() - t0, "pid": os.getpid()}})
     while True:
         try:
-            req = conn.recv()
+            req = recv(conn)
         except (EOFError, OSError):
             break
         op = req.get("op")
@@ -73,9 +87,9 @@ def _serve(args: argparse.Namespace) -> None:
                 result = speccompat.status().as_dict()
             else:
                 raise ValueError(f"unknown op {op!r}")
-            conn.send({"ok": True, "result": result})
+            send(conn, {"ok": True, "result": result})
         except BaseException as exc:  # noqa: BLE001
-            conn.send({"ok": False, "type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()})
+            send(conn, {"ok": False, "type": type(exc).__name__, "error": str(exc), "traceback": traceback.format_exc()})
     try:
         gen.executor.shutdown()
     except Exception:  # noqa: BLE001

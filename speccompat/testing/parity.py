@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["Agreement", "compare"]
+__all__ = ["Agreement", "Case", "Thresholds", "compare", "measure", "violations"]
 
 
 class Agreement(NamedTuple):
@@ -28,3 +28,62 @@ def compare(got: Any, ref: Any) -> Agreement:
     rel = (torch.linalg.vector_norm(a - r) / torch.linalg.vector_norm(r).clamp_min(1e-12)).item()
     cos = torch.nn.functional.cosine_similarity(a, r, dim=-1)
     return Agreement(rel, cos.min().item(), cos.mean().item())
+
+
+class Case(NamedTuple):
+    """One (sequence, layer) comparison: the extraction against the fp32 reference, next to the
+    bf16 noise of the same case (transformers in bf16 against transformers in fp32)."""
+
+    seq: int
+    layer: int
+    got: Agreement
+    noise: Agreement
+    bad_tokens: float  # fraction of tokens whose cosine to the reference is below TOKEN_COS
+    noise_bad_tokens: float
+
+
+#: A token "disagrees" below this cosine. MoE routing flips (one token choosing other experts)
+#: show up as isolated tokens far below it, in vLLM and in transformers-bf16 alike.
+TOKEN_COS = 0.99
+
+
+def _cos(a: Any, b: Any) -> Any:
+    import torch
+
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1)
+
+
+def measure(results: list[dict], refs32: list[list[Any]], refs16: list[list[Any]]) -> list[Case]:
+    """Compare every (sequence, layer) of ``results`` with the references (one list per sequence)."""
+    cases = []
+    for i, (res, r32, r16) in enumerate(zip(results, refs32, refs16)):
+        for j, (h, a, b) in enumerate(zip(res["hidden_states"], r32, r16)):
+            cases.append(
+                Case(i, j, compare(h, a), compare(b, a),
+                     float((_cos(h, a) < TOKEN_COS).float().mean()),
+                     float((_cos(b, a) < TOKEN_COS).float().mean()))
+            )
+    return cases
+
+
+class Thresholds(NamedTuple):
+    """Pass criteria, relative to the measured bf16 noise of each case (docs/parity.md)."""
+
+    rel_ratio: float = 3.0  # rel error may be this many times the case's own bf16 noise ...
+    rel_floor: float = 0.03  # ... or this much, whichever is larger
+    bad_ratio: float = 3.0  # fraction of disagreeing tokens: this many times the noise's ...
+    bad_floor: float = 0.03  # ... plus this much
+
+
+def violations(cases: list[Case], t: Thresholds = Thresholds()) -> list[str]:
+    out = []
+    for c in cases:
+        rel_limit = max(t.rel_ratio * c.noise.rel, t.rel_floor)
+        bad_limit = t.bad_ratio * c.noise_bad_tokens + t.bad_floor
+        if c.got.rel > rel_limit or c.bad_tokens > bad_limit:
+            out.append(
+                f"sequence {c.seq}, layer #{c.layer}: rel {c.got.rel:.4f} (limit {rel_limit:.4f}), "
+                f"tokens below cos {TOKEN_COS}: {c.bad_tokens:.1%} (limit {bad_limit:.1%}), "
+                f"min cos {c.got.min_cos:.4f}; bf16 noise rel {c.noise.rel:.4f}"
+            )
+    return out

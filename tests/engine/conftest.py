@@ -1,0 +1,136 @@
+"""Shared real engines for the engine tests.
+
+Each engine is a :class:`speccompat.testing.client.EngineHost` (its own process, so several
+speculators versions can be tested in one session); at most ``MAX_ALIVE`` run at once (CPU memory),
+least recently used first out. Checkpoints and transformers references are built once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from conftest import ENGINE_ENV, NO_APPLY
+
+SPECULATORS = ("0.3.0", "0.4.0.1")
+KINDS = ("llama", "deepseek_v3")
+#: EAGLE-3 style: an early, two middle and the last decoder layer (6-layer tiny models).
+LAYER_IDS = [0, 2, 4, 5]
+MAX_ALIVE = 2
+
+
+def mixed_sequences(n: int, seed: int, lo: int = 20, hi: int = 600, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+class EnginePool:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.alive: OrderedDict[tuple, object] = OrderedDict()
+        self.checkpoints: dict[tuple, Path] = {}
+
+    def checkpoint(self, kind: str, **overrides) -> Path:
+        from speccompat.testing.models import make_checkpoint
+
+        key = (kind, tuple(sorted(overrides.items())))
+        if key not in self.checkpoints:
+            name = kind + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+            self.checkpoints[key] = make_checkpoint(kind, self.root / "ckpt" / name.replace("/", "_"), **overrides)
+        return self.checkpoints[key]
+
+    def get(self, speculators: str, kind: str, *, layer_ids=tuple(LAYER_IDS), apply: bool = True,
+            overrides: dict | None = None, **config):
+        from speccompat.testing.client import EngineHost
+
+        apply = apply and not NO_APPLY
+        key = (speculators, kind, tuple(layer_ids), apply, json.dumps(overrides or {}, sort_keys=True),
+               json.dumps(config, sort_keys=True))
+        if key in self.alive:
+            self.alive.move_to_end(key)
+            return self.alive[key]
+        while len(self.alive) >= MAX_ALIVE:
+            _, old = self.alive.popitem(last=False)
+            old.stop()
+        config.setdefault("gpu_memory_utilization", 0.1)
+        host = EngineHost(
+            self.checkpoint(kind, **(overrides or {})),
+            list(layer_ids),
+            speculators_path=ENGINE_ENV["speculators"][speculators],
+            apply=apply,
+            log_path=self.root / "logs" / ("-".join(map(str, key[:4])) + f"-{len(os.listdir(self.root)) }.log"),
+            **config,
+        )
+        host.start()
+        self.alive[key] = host
+        return host
+
+    def close(self) -> None:
+        while self.alive:
+            _, host = self.alive.popitem()
+            host.stop()
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory):
+    pool = EnginePool(tmp_path_factory.mktemp("engines"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def references(engines):
+    """kind -> (fp32 reference, bf16 reference) on the session's checkpoint."""
+    from speccompat.testing.reference import ReferenceModel
+
+    cache: dict[str, tuple] = {}
+
+    def get(kind: str, **overrides):
+        key = kind + json.dumps(overrides, sort_keys=True)
+        if key not in cache:
+            path = str(engines.checkpoint(kind, **overrides))
+            cache[key] = (ReferenceModel(path, "float32"), ReferenceModel(path, "bfloat16"))
+        return cache[key]
+
+    return get
+
+
+EVIDENCE: list[dict] = []
+
+
+@pytest.fixture
+def record_cell():
+    """Tests of a (speculators, model) cell call this with their outcome; written as evidence."""
+
+    def record(**cell):
+        EVIDENCE.append(cell)
+
+    return record
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("SPECCOMPAT_EVIDENCE_OUT")
+    if not out or not EVIDENCE or ENGINE_ENV is None:
+        return
+    import datetime
+    import platform
+
+    import torch
+
+    doc = {
+        "kind": "cpu-e2e",
+        "vllm": ENGINE_ENV["vllm"],
+        "vllm_dist": ENGINE_ENV["vllm_dist"],
+        "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "date": datetime.date.today().isoformat(),
+        "applied": not NO_APPLY,
+        "cells": EVIDENCE,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(doc, indent=2) + "\n")
