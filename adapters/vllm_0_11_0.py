@@ -91,6 +91,8 @@ class Adapter(_Base):
             Symbol(f"{EXEC}.sample_tokens", absent=True, why="execute: one phase"),
             Symbol(f"{EXEC}.initialize_from_config", accepts=("kv_cache_configs",)),
             Symbol(f"{EXEC}.shutdown"),
+            Symbol("vllm.v1.worker.gpu_worker:Worker.get_kv_cache_spec",
+                   why="speculators' __init__ calls collective_rpc('get_kv_cache_spec')"),
             Symbol("vllm.distributed:get_tp_group", why="worker capture: TP rank 0 keeps the states"),
             Symbol("vllm.distributed:get_pp_group", why="speculators' worker module imports it"),
             Symbol("vllm.sequence:IntermediateTensors", why="speculators' worker module imports it"),

@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", default="llama", choices=("llama", "deepseek_v3"))
     demo.add_argument("--workdir", default=".speccompat-demo")
     demo.add_argument("--sequences", type=int, default=40)
+    demo.add_argument("--speculators", help="speculators version of a scripts/mkenv.py environment")
     args = ap.parse_args(argv)
     if args.cmd in (None, "doctor"):
         as_json = getattr(args, "json", False)
@@ -157,6 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "demo":
         from .demo import run_demo
 
-        return run_demo(args.model, args.workdir, args.sequences)
+        return run_demo(args.model, args.workdir, args.sequences, args.speculators)
     ap.print_help()
     return 2

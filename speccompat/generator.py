@@ -71,10 +71,11 @@ def normalize_token_ids(token_ids: Any, *, vocab_size: int, max_len: int) -> tup
     return seqs, truncated
 
 
-def validate_results(results: list[dict[str, Any]], seqs: list[list[int]], num_layers: int, hidden: int) -> None:
+def validate_results(results: list[dict[str, Any]], seqs: list[list[int]], layer_ids: list[int], hidden: int) -> None:
     """Raise :class:`HiddenStatesError` unless every result matches its input exactly."""
     import torch
 
+    num_layers = len(layer_ids)
     if len(results) != len(seqs):
         raise HiddenStatesError(f"{len(results)} results for {len(seqs)} sequences")
     for i, (res, seq) in enumerate(zip(results, seqs)):
@@ -84,13 +85,14 @@ def validate_results(results: list[dict[str, Any]], seqs: list[list[int]], num_l
         states = res["hidden_states"]
         if len(states) != num_layers:
             raise HiddenStatesError(f"sequence {i}: {len(states)} layers, expected {num_layers}")
-        for j, h in enumerate(states):
+        for layer, h in zip(layer_ids, states):
             if tuple(h.shape) != (len(seq), hidden):
                 raise HiddenStatesError(
-                    f"sequence {i}, layer {j}: shape {tuple(h.shape)}, expected ({len(seq)}, {hidden})"
+                    f"sequence {i}, layer {layer}: shape {tuple(h.shape)}, expected ({len(seq)}, {hidden})"
                 )
             if not bool(torch.isfinite(h).all()):
-                raise HiddenStatesError(f"sequence {i}, layer {j}: non-finite values")
+                bad = int((~torch.isfinite(h)).any(dim=-1).sum())
+                raise HiddenStatesError(f"sequence {i}, layer {layer}: non-finite values in {bad} of {len(seq)} tokens")
 
 
 def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
@@ -177,7 +179,7 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         }
         for i, seq in enumerate(seqs)
     ]
-    validate_results(results, seqs, len(self.layer_ids), model_config.get_hidden_size())
+    validate_results(results, seqs, list(self.layer_ids), model_config.get_hidden_size())
     return results
 
 

@@ -7,6 +7,7 @@ last layer, whose ``output_hidden_states`` entry would have the final norm appli
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ class ReferenceModel:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
         self.num_layers = cfg.num_hidden_layers
         self.layers = self._find_layers(self.model)
+        with open(f"{path}/config.json", encoding="utf-8") as f:
+            self.llama_4_scaling = json.load(f).get("llama_4_scaling")
 
     @staticmethod
     def _find_layers(model: Any) -> Any:
@@ -37,6 +40,8 @@ class ReferenceModel:
         torch = self.torch
         out: dict[int, Any] = {}
         handles = []
+        if self.llama_4_scaling:
+            handles += self._llama_4_scaling_hooks(len(token_ids))
         for i in layer_ids:
             def hook(_m: Any, _inp: Any, output: Any, i: int = i) -> None:
                 h = output[0] if isinstance(output, tuple) else output
@@ -50,3 +55,20 @@ class ReferenceModel:
             for h in handles:
                 h.remove()
         return [out[i] for i in layer_ids]
+
+    def _llama_4_scaling_hooks(self, n: int) -> list[Any]:
+        """transformers' DeepseekV3 ignores ``llama_4_scaling``; apply it as vLLM does.
+
+        vLLM (DeepseekV2 MLA, 0.12+) multiplies the whole query by
+        ``1 + beta * log(1 + floor(position / original_max_position_embeddings))`` after RoPE; both
+        are linear, so scaling the output of ``q_b_proj`` row by row is the same.
+        """
+        torch = self.torch
+        cfg = self.llama_4_scaling
+        pos = torch.arange(n, dtype=torch.float32)
+        scale = 1 + cfg["beta"] * torch.log(1 + torch.floor(pos / cfg["original_max_position_embeddings"]))
+
+        def hook(_m: Any, _inp: Any, output: Any) -> Any:
+            return output * scale.to(output.dtype)[None, :, None]
+
+        return [layer.self_attn.q_b_proj.register_forward_hook(hook) for layer in self.layers]

