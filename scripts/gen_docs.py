@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Write docs/patches.md from the code: every patch and every adapter's recorded vLLM changes.
+
+    python scripts/gen_docs.py          # write
+    python scripts/gen_docs.py --check  # exit 1 if the file is stale (a test runs this)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "docs" / "patches.md"
+
+
+def render() -> str:
+    from speccompat.patches import GROUPS
+    from speccompat.registry import adapter_modules, by_name
+
+    out = [
+        "# Patches and adapters",
+        "",
+        "Generated from the code by `python scripts/gen_docs.py`; `speccompat doctor` shows which apply "
+        "to the installed versions.",
+        "",
+        "## Patches (names in speculators' modules, and speculators' methods)",
+        "",
+        "Each patch replaces one attribute of speculators; vLLM's modules are never modified. Patches of "
+        "one module are applied together or not at all, when that module is imported.",
+        "",
+    ]
+    for module, group in GROUPS.items():
+        out += [f"### `{module}`", ""]
+        for p in group:
+            out += [
+                f"#### `{p.id}` -> `{p.target}`" + (" (optional)" if p.optional else "") + (" (added)" if p.adds else ""),
+                "",
+                f"- **Why**: {p.why}",
+                f"- **How**: {p.how}",
+                f"- **vLLM change**: {p.vllm_change}",
+                f"- **Remove when**: {p.remove_when}",
+                "",
+            ]
+    out += ["## Adapters (one per vLLM release range, oldest first)", ""]
+    mods = adapter_modules()
+    for i, (since, name) in enumerate(mods):
+        a = by_name(name)
+        until = f"< {mods[i + 1][0]}" if i + 1 < len(mods) else "and later (nightlies: by fingerprint)"
+        doc = (a.__module__ and sys.modules[a.__module__].__doc__ or "").strip().splitlines()[0]
+        out += [f"### `{name}`: vLLM >= {since}, {until}", "", doc, ""]
+        for c in vars(a).get("changes", ()):
+            out += [
+                f"- **vLLM {c.vllm}**: {c.what}",
+                f"  - breaks: {c.breaks}",
+                f"  - handled: {c.how}",
+                f"  - remove when: {c.remove_when}",
+            ]
+        out += ["", f"Fingerprint ({len(a.requires)} symbols): " + ", ".join(
+            f"`{s.describe()}`" for s in a.requires.values()), ""]
+    return "\n".join(out)
+
+
+def main() -> int:
+    text = render()
+    if "--check" in sys.argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT} is stale: run python scripts/gen_docs.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

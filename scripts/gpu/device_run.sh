@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Device side of the GPU evidence run (runs on the lent H200 from the repository copy).
+#   device_run.sh install            install the staged vLLM, speccompat and speculators under /tmp
+#   device_run.sh test RUNNER [TP]   engine parity + silent-bug suites; RUNNER is v1 or v2 (default)
+#   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
+# Results go to $OUT (evidence JSON, logs, benchmark JSON).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=/tmp/site VLLM_WORKER_MULTIPROC_METHOD=spawn
+export SPECCOMPAT_ENV_FILE=/tmp/speccompat-env.json
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+case "${1:-}" in
+  install)
+    bash .gpu-stage/device.sh install
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tail -2
+    for w in .gpu-stage/spec/speculators-*.whl; do
+      s=$(basename "$w" | cut -d- -f2)
+      python3 -m pip install -q --no-index --no-deps --target "/tmp/spec-$s" "$w"
+    done
+    V=$(python3 -c "import importlib.metadata as m; print(m.version('vllm'))")
+    printf '{"vllm": "%s", "vllm_dist": "vllm", "speculators": {"0.3.0": "/tmp/spec-0.3.0", "0.4.0.1": "/tmp/spec-0.4.0.1"}, "python": "%s"}\n' \
+      "$V" "$(command -v python3)" > /tmp/speccompat-env.json
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" | tee -a "$OUT/gpu.txt"
+    ;;
+  test)
+    RUNNER="${2:-v2}"; TP="${3:-1}"
+    if [ "$RUNNER" = v1 ]; then export VLLM_USE_V2_MODEL_RUNNER=0; else unset VLLM_USE_V2_MODEL_RUNNER; fi
+    V=$(python3 -c "import json; print(json.load(open('/tmp/speccompat-env.json'))['vllm'])")
+    export SPECCOMPAT_EVIDENCE_OUT="$OUT/vllm-$V-tp$TP-$RUNNER.json" SPECCOMPAT_TEST_TP="$TP" SPECCOMPAT_TEST_RUNNER="$RUNNER"
+    set +e
+    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_parity.py \
+      tests/engine/test_silent_bugs.py -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -60 | tee "$OUT/pytest-$RUNNER-tp$TP.txt"
+    rc=${PIPESTATUS[0]}
+    for f in /tmp/pytest-of-*/pytest-*/engines0/logs/*.log; do
+      [ -f "$f" ] && { echo "=== $f"; tail -c 20000 "$f"; }
+    done > "$OUT/logs-$RUNNER-tp$TP.txt" 2>/dev/null
+    exit $rc
+    ;;
+  bench)
+    python3 benchmarks/throughput.py --out "$OUT/bench-gpu.json" ${BENCH_ARGS:-}
+    ;;
+  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | bench"; exit 2 ;;
+esac

@@ -1,0 +1,88 @@
+"""compat_matrix.yaml tells the truth: valid schema, real adapters, and exactly what evidence/ shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from speccompat import matrix
+from speccompat.registry import all_adapters, by_version
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_matrix_is_valid_and_names_existing_adapters():
+    m = matrix.load(str(REPO / "compat_matrix.yaml"))
+    names = {a.name() for a in all_adapters()}
+    assert m.rows and {r.adapter for r in m.rows} <= names
+    for r in m.rows:
+        assert by_version(__import__("packaging.version").version.Version(r.vllm)).name() == r.adapter
+        if r.status == "supported":
+            assert r.kinds() & {"cpu-e2e", "gpu-e2e"}
+
+
+def test_every_release_and_speculators_version_has_a_cell():
+    m = matrix.load(str(REPO / "compat_matrix.yaml"))
+    cells = {(r.speculators, r.vllm) for r in m.rows}
+    assert cells == {(s, v) for s in m.speculators for v in m.releases}
+    assert len(m.releases) == 35 and m.speculators == ["0.3.0", "0.4.0", "0.4.0.1"]
+
+
+def test_file_readme_and_evidence_agree():
+    """Regenerating from evidence/ gives the committed file and README table, byte for byte: no
+    row claims more (or less) than its evidence shows."""
+    m = matrix.generate(REPO / "evidence")
+    assert (REPO / "compat_matrix.yaml").read_text() == m.to_yaml()
+    readme = (REPO / "README.md").read_text()
+    assert matrix.with_readme_table(readme, m) == readme
+
+
+def test_packaged_copy_is_the_repository_file():
+    assert Path(matrix.packaged_path()).read_text() == (REPO / "compat_matrix.yaml").read_text()
+
+
+def test_fast_lookup_agrees_with_the_full_parser():
+    path = str(REPO / "compat_matrix.yaml")
+    m = matrix.load(path)
+    for r in m.rows:
+        assert matrix.lookup(r.speculators, r.vllm, path) == r
+    assert matrix.lookup("0.4.0.1", "0.99.0", path) is None
+    assert matrix.known_releases(path) == m.releases
+
+
+def test_supported_rows_are_backed_by_a_passing_end_to_end_run():
+    import json
+
+    m = matrix.load(str(REPO / "compat_matrix.yaml"))
+    for r in m.rows:
+        for ev in r.evidence:
+            if ev["kind"] in ("cpu-e2e", "gpu-e2e"):
+                run = json.loads((REPO / ev["ref"]).read_text())
+                assert run["vllm"] == r.vllm and run.get("applied", True)
+                assert any(c["speculators"] == r.speculators and c["outcome"] == "passed" for c in run["cells"])
+
+
+def _rows(**row):
+    base = {"speculators": "0.4.0.1", "vllm": "0.32.0", "adapter": "vllm_0_29_0", "status": "static",
+            "evidence": [{"kind": "static", "date": "2026-11-29"}]}
+    base.update(row)
+    return {"schema": 1, "releases": ["0.32.0"], "speculators": ["0.4.0.1"], "rows": [base]}
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"schema": 2}, "schema: 1"),
+        (_rows(status="works"), "status 'works' not in"),
+        (_rows(adapter="vllm_9_9_9"), "adapter 'vllm_9_9_9' does not exist"),
+        (_rows(status="supported"), "supported without cpu-e2e/gpu-e2e evidence"),
+        (_rows(evidence=[{"kind": "vibes", "date": "2026-11-29"}]), "kind must be one of"),
+        (_rows(evidence=[{"kind": "static", "date": "yesterday"}]), "date must be YYYY-MM-DD"),
+        (_rows(vllm="0.31.0"), r"row 0 \(speculators 0.4.0.1, vLLM 0.31.0\): names a version not listed"),
+    ],
+)
+def test_schema_violations_name_the_row_and_field(data, match):
+    with pytest.raises(matrix.MatrixError, match=match):
+        matrix.parse(yaml.safe_load(yaml.safe_dump(data)))
