@@ -67,23 +67,42 @@ def measure(results: list[dict], refs32: list[list[Any]], refs16: list[list[Any]
 
 
 class Thresholds(NamedTuple):
-    """Pass criteria, relative to the measured bf16 noise of each case (docs/parity.md)."""
+    """Pass criteria, relative to the measured bf16 noise of each case (docs/parity.md).
 
-    rel_ratio: float = 3.0  # rel error may be this many times the case's own bf16 noise ...
-    rel_floor: float = 0.03  # ... or this much, whichever is larger
-    bad_ratio: float = 3.0  # fraction of disagreeing tokens: this many times the noise's ...
-    bad_floor: float = 0.03  # ... plus this much
+    A case passes when its relative error is within ``rel_ratio`` times its own bf16 noise (or
+    ``rel_floor``) and its fraction of disagreeing tokens within ``bad_ratio`` times the noise's
+    (plus ``bad_floor``). MoE routing flips are random per case: vLLM may flip a token where
+    transformers-bf16 happened not to, so up to ``allowance`` of the cases may exceed those limits,
+    but never the ``ceiling`` - a capture error (another layer, another sequence) is far above it in
+    every case.
+    """
+
+    rel_ratio: float = 3.0
+    rel_floor: float = 0.03
+    bad_ratio: float = 3.0
+    bad_floor: float = 0.03
+    allowance: float = 0.02  # fraction of cases (at least one) that may exceed the limits above
+    ceiling_rel: float = 0.25
+    ceiling_bad: float = 0.25
+
+
+def _describe(c: Case, rel_limit: float, bad_limit: float) -> str:
+    return (
+        f"sequence {c.seq}, layer #{c.layer}: rel {c.got.rel:.4f} (limit {rel_limit:.4f}), "
+        f"tokens below cos {TOKEN_COS}: {c.bad_tokens:.1%} (limit {bad_limit:.1%}), "
+        f"min cos {c.got.min_cos:.4f}; bf16 noise rel {c.noise.rel:.4f}"
+    )
 
 
 def violations(cases: list[Case], t: Thresholds = Thresholds()) -> list[str]:
-    out = []
+    """Messages for the cases that fail ``t`` (empty: the extraction agrees with the reference)."""
+    over, beyond = [], []
     for c in cases:
         rel_limit = max(t.rel_ratio * c.noise.rel, t.rel_floor)
         bad_limit = t.bad_ratio * c.noise_bad_tokens + t.bad_floor
-        if c.got.rel > rel_limit or c.bad_tokens > bad_limit:
-            out.append(
-                f"sequence {c.seq}, layer #{c.layer}: rel {c.got.rel:.4f} (limit {rel_limit:.4f}), "
-                f"tokens below cos {TOKEN_COS}: {c.bad_tokens:.1%} (limit {bad_limit:.1%}), "
-                f"min cos {c.got.min_cos:.4f}; bf16 noise rel {c.noise.rel:.4f}"
-            )
-    return out
+        if c.got.rel > t.ceiling_rel or c.bad_tokens > t.ceiling_bad:
+            beyond.append(_describe(c, t.ceiling_rel, t.ceiling_bad) + " [above the ceiling]")
+        elif c.got.rel > rel_limit or c.bad_tokens > bad_limit:
+            over.append(_describe(c, rel_limit, bad_limit))
+    allowed = max(1, int(t.allowance * len(cases)))
+    return beyond + (over if len(over) > allowed else [])
