@@ -38,7 +38,7 @@ case "${1:-}" in
     exit $rc
     ;;
   bench)
-    python3 benchmarks/throughput.py --out "$OUT/bench-gpu.json" ${BENCH_ARGS:-}
+    PYTHONPATH="/tmp/site:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu.json" ${BENCH_ARGS:-}
     ;;
   *) echo "usage: device_run.sh install | test [v1|v2] [TP] | bench"; exit 2 ;;
 esac
