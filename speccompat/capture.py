@@ -281,10 +281,16 @@ class WorkerCapture:
                     f"request {rid}: captured {done.get(rid, 0)} of {want} prompt tokens"
                 )
             lengths.append(want)
-        layers = []
+        from .transport import pack
+
+        layers, nonfinite = [], {}
         for layer_id in self.layer_ids:
             parts = [self.steps[k].layers[layer_id][off : off + n] for rid in req_ids for (k, off, n) in chunks[rid]]
-            layers.append(torch.cat(parts, dim=0).cpu())
+            packed = torch.cat(parts, dim=0)
+            bad = ~torch.isfinite(packed).all(dim=-1)  # on the device: cheap, before any copy
+            if bool(bad.any()):
+                nonfinite[layer_id] = (int(bad.nonzero()[0, 0]), int(bad.sum()))
+            layers.append(packed)
         stats = {
             "steps": len(self.steps),
             "chunked": sum(1 for rid in req_ids if len(chunks[rid]) > 1),
@@ -294,7 +300,8 @@ class WorkerCapture:
             "req_ids": list(req_ids),
             "lengths": lengths,
             "layer_ids": list(self.layer_ids),
-            "layers": layers,
+            "states": pack(layers),
+            "nonfinite": nonfinite,  # layer id -> (first bad token row, rows with non-finite values)
             "stats": stats,
         }
 

@@ -15,11 +15,15 @@ preemption are whatever vLLM's scheduler does. Results come back in input order 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import operator
 import sys
+import time
 from typing import Any
 
+from . import transport
 from .errors import HiddenStatesError
 
 __all__ = ["compat_del", "compat_generate", "normalize_token_ids", "validate_results", "wrap_init"]
@@ -71,7 +75,9 @@ def normalize_token_ids(token_ids: Any, *, vocab_size: int, max_len: int) -> tup
     return seqs, truncated
 
 
-def validate_results(results: list[dict[str, Any]], seqs: list[list[int]], layer_ids: list[int], hidden: int) -> None:
+def validate_results(
+    results: list[dict[str, Any]], seqs: list[list[int]], layer_ids: list[int], hidden: int, check_finite: bool = True
+) -> None:
     """Raise :class:`HiddenStatesError` unless every result matches its input exactly."""
     import torch
 
@@ -90,7 +96,7 @@ def validate_results(results: list[dict[str, Any]], seqs: list[list[int]], layer
                 raise HiddenStatesError(
                     f"sequence {i}, layer {layer}: shape {tuple(h.shape)}, expected ({len(seq)}, {hidden})"
                 )
-            if not bool(torch.isfinite(h).all()):
+            if check_finite and not bool(torch.isfinite(h).all()):
                 bad = int((~torch.isfinite(h)).any(dim=-1).sum())
                 raise HiddenStatesError(f"sequence {i}, layer {layer}: non-finite values in {bad} of {len(seq)} tokens")
 
@@ -123,6 +129,7 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     req_ids = [f"req_{call}_{i}" for i in range(len(seqs))]
     executor, scheduler = self.executor, self.scheduler
 
+    t_start = time.perf_counter()
     executor.collective_rpc("_reset_capture")
     sampling = mod.SamplingParams(max_tokens=1, temperature=0.0)
     for rid, seq in zip(req_ids, seqs):
@@ -155,6 +162,7 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
         _abort(mod, scheduler, req_ids)
         raise
     _abort(mod, scheduler, req_ids)  # no-op for finished requests; frees anything left
+    t_loop = time.perf_counter()
     logger.debug("speccompat: %d sequences in %d steps", len(seqs), steps)
 
     reply = adapter.unique_reply(
@@ -167,19 +175,34 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     lengths = [len(s) for s in seqs]
     if reply["lengths"] != lengths:
         raise HiddenStatesError(f"token counts {reply['lengths'][:8]}... differ from the inputs {lengths[:8]}...")
-    #: How the last call was scheduled: steps, sequences prefilled in several chunks, restarts.
-    self._speccompat_stats = dict(reply.get("stats", {}), driver_steps=steps)
-    split = [torch.split(layer, lengths) for layer in reply["layers"]]
+    states = transport.unpack(reply["states"])  # [layers, tokens, hidden]
+    t_collect = time.perf_counter()
+    #: How the last call went: steps, sequences prefilled in several chunks, restarts, seconds.
+    self._speccompat_stats = dict(reply.get("stats", {}), driver_steps=steps, loop_s=round(t_loop - t_start, 4),
+                                  collect_s=round(t_collect - t_loop, 4))
+    if reply.get("nonfinite"):
+        layer, (row, count) = next(iter(reply["nonfinite"].items()))
+        seq = bisect.bisect_right(list(itertools.accumulate(lengths)), row)
+        raise HiddenStatesError(
+            f"sequence {seq}, layer {layer}: non-finite values in {count} token(s) of the batch, "
+            f"first at token {row - sum(lengths[:seq])} of that sequence"
+        )
+    if tuple(states.shape) != (len(self.layer_ids), sum(lengths), model_config.get_hidden_size()):
+        raise HiddenStatesError(f"packed states have shape {tuple(states.shape)}, expected "
+                                f"({len(self.layer_ids)}, {sum(lengths)}, {model_config.get_hidden_size()})")
+    split = torch.split(states, lengths, dim=1)
     results = [
         {
             "input_ids": torch.tensor(seq, dtype=torch.long),
             # clone(): each sequence owns its memory, so saving one does not save the whole batch.
-            "hidden_states": [split[j][i].clone() for j in range(len(split))],
+            "hidden_states": [layer.clone() for layer in split[i]],
             "loss_mask": None,
         }
         for i, seq in enumerate(seqs)
     ]
-    validate_results(results, seqs, list(self.layer_ids), model_config.get_hidden_size())
+    # Finiteness was checked on the device by the worker (nonfinite above).
+    validate_results(results, seqs, list(self.layer_ids), model_config.get_hidden_size(), check_finite=False)
+    self._speccompat_stats["unpack_s"] = round(time.perf_counter() - t_collect, 4)
     return results
 
 

@@ -32,7 +32,7 @@ case "${1:-}" in
     timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_parity.py \
       tests/engine/test_silent_bugs.py -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -60 | tee "$OUT/pytest-$RUNNER-tp$TP.txt"
     rc=${PIPESTATUS[0]}
-    for f in /tmp/pytest-of-*/pytest-*/engines0/logs/*.log; do
+    for f in /tmp/pytest-of-*/pytest-current/engines0/logs/*.log; do
       [ -f "$f" ] && { echo "=== $f"; tail -c 20000 "$f"; }
     done > "$OUT/logs-$RUNNER-tp$TP.txt" 2>/dev/null
     exit $rc

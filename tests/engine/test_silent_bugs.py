@@ -171,7 +171,7 @@ def test_non_finite_states_raise_naming_sequence_and_layer(engines, tmp_path):
 
     with EngineHost(dst, LAYER_IDS, speculators_path=ENGINE_ENV["speculators"]["0.4.0.1"],
                     gpu_memory_utilization=0.1, log_path=tmp_path / "nan.log") as host:
-        with pytest.raises(EngineError, match=r"HiddenStatesError: sequence 0, layer 2: non-finite values"):
+        with pytest.raises(EngineError, match=r"HiddenStatesError: sequence 0, layer 2: non-finite values in 4 token"):
             host.generate([[5, 6, 7, 8]])
 
 
