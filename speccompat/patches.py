@@ -189,6 +189,17 @@ GENERATOR = (
         needed=lambda ctx: None if _speculators_line(ctx) == "0.3" else "speculators 0.4 uses mem_get_info",
     ),
     Patch(
+        id="generator.AutoTokenizer",
+        target=f"{GEN_MODULE}:AutoTokenizer",
+        why="speculators loads the tokenizer with AutoTokenizer.from_pretrained(model_path) but "
+        "without trust_remote_code (which it passes to AutoConfig and ModelConfig): Kimi-K2.5 ships "
+        "its tokenizer as code, so the generator cannot even be built for it",
+        how="from_pretrained() defaults trust_remote_code=True, as speculators does for the model",
+        vllm_change="none (Kimi-K2.5 and other models with tokenizer code)",
+        remove_when=ALWAYS,
+        build=lambda ctx, original: _TrustingAutoTokenizer(original),
+    ),
+    Patch(
         id="generator.__init__",
         target=f"{GEN_CLASS}.__init__",
         why="duplicate or non-integer layer ids are accepted and produce duplicated/misnamed layers",
@@ -266,6 +277,20 @@ WORKER = (
 )
 
 GROUPS = {PYDANTIC_MODULE: PYDANTIC, GEN_MODULE: GENERATOR, WORKER_MODULE: WORKER}
+
+
+class _TrustingAutoTokenizer:
+    """``transformers.AutoTokenizer`` whose ``from_pretrained`` trusts remote code by default."""
+
+    def __init__(self, original: Any) -> None:
+        self.__wrapped__ = original
+
+    def from_pretrained(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("trust_remote_code", True)
+        return self.__wrapped__.from_pretrained(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
 
 
 def _impl(module: str, name: str) -> Any:

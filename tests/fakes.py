@@ -97,6 +97,12 @@ from vllm.v1.structured_output import StructuredOutputManager
 from speculators.utils.util import mem_get_info
 
 
+class AutoTokenizer:  # stands in for transformers.AutoTokenizer
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        return kwargs
+
+
 class VllmHiddenStatesGenerator:
     def __init__(self, model_path, layer_ids=None, max_model_len=2048):
         self.model_path = model_path

@@ -61,6 +61,7 @@ def test_apply_patches_names_speculators_imported_and_revert_restores_them(tmp_p
             gen.Request is vllm.v1.request.Request,
             issubclass(gen.MultiprocExecutor, mpe.MultiprocExecutor) and gen.MultiprocExecutor is not mpe.MultiprocExecutor,
             G.generate.__name__, hasattr(E, "_speccompat_info"),
+            gen.AutoTokenizer.from_pretrained("m"),
             vllm.v1.request.Request.__module__,  # vLLM's own module is untouched
         ]))
         reverted = speccompat.revert()
@@ -78,7 +79,8 @@ def test_apply_patches_names_speculators_imported_and_revert_restores_them(tmp_p
     assert applied["generator.CacheConfig"] == "applied"
     assert applied["worker._speccompat_info"] == "applied"
     assert applied["generator.torch"] == "skipped"
-    assert json.loads(out[-2]) == [False, False, True, "compat_generate", True, "vllm.v1.request"]
+    assert json.loads(out[-2]) == [False, False, True, "compat_generate", True, {"trust_remote_code": True},
+                                   "vllm.v1.request"]
     n_applied = sum(1 for s in applied.values() if s == "applied")
     assert json.loads(out[-1]) == [n_applied, True, True, "original generate", "original setup", False,
                                    "inactive", False]
