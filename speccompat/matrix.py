@@ -235,17 +235,29 @@ def generate(evidence_dir: Any) -> Matrix:
             else:
                 notes[(spec, rel)] = "static probe failed: " + "; ".join(res["mismatches"])[:300]
     for kind, sub in (("cpu-e2e", "cpu"), ("gpu-e2e", "gpu")):
-        for f in sorted((evidence_dir / sub).glob("*.json")) if (evidence_dir / sub).is_dir() else []:
-            run = json.loads(f.read_text())
+        # Per (speculators, vLLM, model, runner, TP) the latest run counts (files in date, name order).
+        latest: dict[tuple, tuple[str, dict[str, str]]] = {}
+        folder = evidence_dir / sub
+        runs = [(json.loads(f.read_text()), f) for f in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+        for run, f in sorted(runs, key=lambda rf: (rf[0]["date"], rf[1].name)):
             if not run.get("applied", True):  # a control run without speccompat proves nothing
                 continue
+            ref = {"kind": kind, "date": run["date"], "ref": f.relative_to(evidence_dir.parent).as_posix()}
             for cell in run["cells"]:
-                if cell["outcome"] != "passed":
-                    continue
-                key = (cell["speculators"], run["vllm"])
-                item = {"kind": kind, "date": run["date"], "ref": f.relative_to(evidence_dir.parent).as_posix()}
-                if item not in cells.setdefault(key, []):
-                    cells[key].append(item)
+                key = (cell["speculators"], run["vllm"], cell["model"], run.get("runner"), run.get("tp"))
+                latest[key] = (cell["outcome"], ref)
+        # A (speculators, vLLM) cell is shown end to end when every model run on it passed last time.
+        by_cell: dict[tuple[str, str], list[tuple[str, dict[str, str]]]] = {}
+        for (spec, rel, *_), value in latest.items():
+            by_cell.setdefault((spec, rel), []).append(value)
+        for key, results in by_cell.items():
+            if all(outcome == "passed" for outcome, _ in results):
+                for _, ref in results:
+                    if ref not in cells.setdefault(key, []):
+                        cells[key].append(ref)
+            else:
+                failed = sorted({r["ref"] for o, r in results if o != "passed"})
+                notes[key] = f"{kind} failed in {', '.join(failed)}"
     rows = []
     for spec in speculators:
         for rel in releases:
