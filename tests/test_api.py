@@ -259,3 +259,32 @@ def test_version_override_for_builds_with_odd_versions(tmp_path, py):
         env={"SPECCOMPAT_VLLM_VERSION": "0.32.0"},
     ).stdout.splitlines()[-1]
     assert json.loads(out) == ["0.32.0", "env:SPECCOMPAT_VLLM_VERSION", "vllm_0_29_0"]
+
+
+@pytest.mark.parametrize("transformers_has_it", [False, True])
+def test_names_removed_from_transformers_are_served_only_when_missing(tmp_path, py, transformers_has_it):
+    paths = world(tmp_path)
+    (tmp_path / "transformers").mkdir()
+    (tmp_path / "transformers" / "__init__.py").write_text("")
+    if transformers_has_it:
+        (tmp_path / "transformers" / "modeling_attn_mask_utils.py").write_text(
+            "def _prepare_4d_causal_attention_mask(*a, **k):\n    return 'real'\n")
+    (tmp_path / "speculators" / "models").mkdir()
+    (tmp_path / "speculators" / "models" / "__init__.py").write_text("")
+    (tmp_path / "speculators" / "models" / "eagle.py").write_text(
+        "from transformers.modeling_attn_mask_utils import _prepare_4d_causal_attention_mask\n")
+    out = py(prog("""
+        speccompat.apply()
+        import speculators.models.eagle as eagle
+        try:
+            got = eagle._prepare_4d_causal_attention_mask()
+        except NotImplementedError as e:
+            got = "stand-in: " + str(e)[:60]
+        pid = "removed.transformers.modeling_attn_mask_utils._prepare_4d_causal_attention_mask"
+        print(json.dumps([got, states(speccompat.status())[pid]]))
+        """), path=paths).stdout.splitlines()[-1]
+    got, state = json.loads(out)
+    if transformers_has_it:
+        assert (got, state) == ("real", "skipped")
+    else:
+        assert got.startswith("stand-in: speculators' EAGLE-1 model calls transformers'") and state == "applied"

