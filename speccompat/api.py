@@ -11,7 +11,6 @@ patched at once. ``apply()`` also exports ``SPECCOMPAT_APPLY`` so that vLLM's wo
 from __future__ import annotations
 
 import builtins
-import importlib
 import json
 import logging
 import os

@@ -173,7 +173,7 @@ class WorkerCapture:
 
     def _record_inputs(self, step: _Step, args: tuple, kwargs: dict) -> None:
         names = ("input_ids", "positions")
-        vals = dict(zip(names, args))
+        vals = dict(zip(names, args, strict=False))
         vals.update({k: kwargs[k] for k in names if k in kwargs})
         positions = vals.get("positions")
         if positions is None:

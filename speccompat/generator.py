@@ -84,14 +84,14 @@ def validate_results(
     num_layers = len(layer_ids)
     if len(results) != len(seqs):
         raise HiddenStatesError(f"{len(results)} results for {len(seqs)} sequences")
-    for i, (res, seq) in enumerate(zip(results, seqs)):
+    for i, (res, seq) in enumerate(zip(results, seqs, strict=True)):
         ids = res["input_ids"]
         if ids.tolist() != seq:
             raise HiddenStatesError(f"sequence {i}: input_ids differ from the input (order mix-up)")
         states = res["hidden_states"]
         if len(states) != num_layers:
             raise HiddenStatesError(f"sequence {i}: {len(states)} layers, expected {num_layers}")
-        for layer, h in zip(layer_ids, states):
+        for layer, h in zip(layer_ids, states, strict=True):
             if tuple(h.shape) != (len(seq), hidden):
                 raise HiddenStatesError(
                     f"sequence {i}, layer {layer}: shape {tuple(h.shape)}, expected ({len(seq)}, {hidden})"
@@ -132,7 +132,7 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     t_start = time.perf_counter()
     executor.collective_rpc("_reset_capture")
     sampling = mod.SamplingParams(max_tokens=1, temperature=0.0)
-    for rid, seq in zip(req_ids, seqs):
+    for rid, seq in zip(req_ids, seqs, strict=True):
         scheduler.add_request(
             mod.Request(
                 request_id=rid,
@@ -215,7 +215,7 @@ def _abort(mod: Any, scheduler: Any, req_ids: list[str]) -> None:
 def wrap_init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
     """wrapt wrapper of ``__init__``: reject bad layer ids before any engine starts."""
     names = ("model_path", "layer_ids")
-    bound = dict(zip(names, args))
+    bound = dict(zip(names, args, strict=False))
     bound.update(kwargs)
     layer_ids = bound.get("layer_ids")
     if layer_ids is not None:

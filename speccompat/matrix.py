@@ -23,9 +23,9 @@ The file is generated from the files under ``evidence/`` by ``python -m speccomp
 from __future__ import annotations
 
 import json
+import os
 import sys
 from functools import lru_cache
-import os
 from typing import Any, NamedTuple
 
 from packaging.version import Version

@@ -15,7 +15,7 @@ def test_modules_are_discovered_by_name_and_form_one_chain():
     adapters = all_adapters()
     assert [a.name() for a in adapters] == [m for _, m in adapter_modules()]
     assert adapters[0].__mro__[1] is Adapter
-    for prev, cur in zip(adapters, adapters[1:]):
+    for prev, cur in zip(adapters, adapters[1:], strict=False):
         assert cur.__mro__[1] is prev, f"{cur.name()} must subclass {prev.name()}"
         assert cur.since_version() > prev.since_version()
     for since, module in adapter_modules():

@@ -7,8 +7,8 @@ import json
 import textwrap
 
 import pytest
-
 from fakes import write_fake_speculators, write_fake_vllm
+
 from speccompat.registry import by_name
 
 

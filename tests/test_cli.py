@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ENGINE_ENV
 from fakes import write_fake_speculators
 

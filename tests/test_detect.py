@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fakes import write_fake_speculators, write_fake_vllm
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fakes import write_fake_speculators, write_fake_vllm
+
 from speccompat.registry import by_name
 
 

@@ -450,7 +450,7 @@ def build_tensors(sample: Sample, result: dict[str, Any], layout: Layout) -> dic
         raise SampleError(f"{len(states)} layers returned, expected {len(layout.layer_ids)}")
     tensors = {"input_ids": ids.to(torch.long).contiguous()}
     dtype = getattr(torch, layout.dtype)
-    for layer, h in zip(layout.layer_ids, states):
+    for layer, h in zip(layout.layer_ids, states, strict=True):
         if tuple(h.shape) != (sample.num_tokens, layout.hidden_size):
             raise SampleError(f"layer {layer}: shape {tuple(h.shape)}, expected "
                               f"({sample.num_tokens}, {layout.hidden_size})")
@@ -753,7 +753,7 @@ def run_batches(gen: Any, todo: list[Sample], layout: Layout, index: Index, batc
         with logging_redirect_tqdm():
             for first in range(0, len(todo), batch_size):
                 batch = todo[first:first + batch_size]
-                for sample, result in zip(batch, generate(gen, batch)):
+                for sample, result in zip(batch, generate(gen, batch), strict=True):
                     save_or_fail(sample, result, layout, index, totals)
                 progress.update(len(batch))
     finally:

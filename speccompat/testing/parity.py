@@ -56,8 +56,8 @@ def _cos(a: Any, b: Any) -> Any:
 def measure(results: list[dict], refs32: list[list[Any]], refs16: list[list[Any]]) -> list[Case]:
     """Compare every (sequence, layer) of ``results`` with the references (one list per sequence)."""
     cases = []
-    for i, (res, r32, r16) in enumerate(zip(results, refs32, refs16)):
-        for j, (h, a, b) in enumerate(zip(res["hidden_states"], r32, r16)):
+    for i, (res, r32, r16) in enumerate(zip(results, refs32, refs16, strict=True)):
+        for j, (h, a, b) in enumerate(zip(res["hidden_states"], r32, r16, strict=True)):
             cases.append(
                 Case(i, j, compare(h, a), compare(b, a),
                      float((_cos(h, a) < TOKEN_COS).float().mean()),
@@ -94,8 +94,9 @@ def _describe(c: Case, rel_limit: float, bad_limit: float) -> str:
     )
 
 
-def violations(cases: list[Case], t: Thresholds = Thresholds()) -> list[str]:
+def violations(cases: list[Case], t: Thresholds | None = None) -> list[str]:
     """Messages for the cases that fail ``t`` (empty: the extraction agrees with the reference)."""
+    t = t or Thresholds()
     over, beyond = [], []
     for c in cases:
         rel_limit = max(t.rel_ratio * c.noise.rel, t.rel_floor)

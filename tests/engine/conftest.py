@@ -14,7 +14,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-
 from conftest import ENGINE_ENV, NO_APPLY
 
 SPECULATORS = ("0.3.0", "0.4.0.1")

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ENGINE_ENV
+
 from speccompat.testing.parity import measure, violations
 
 pytestmark = pytest.mark.engine
@@ -245,7 +245,7 @@ def test_prepare_data_masks_assistant_tokens(shared):
     chat, text = map(json.loads, shared.prepared.read_text().splitlines())
     assert chat["id"] == "chat-1" and text["id"] == "text-2"
     # "user w10 w11 w12 </s> assistant w20 w21 </s> ...": 1 on assistant content and its </s>
-    trained = [t for t, m in zip(chat["input_ids"], chat["loss_mask"]) if m]
+    trained = [t for t, m in zip(chat["input_ids"], chat["loss_mask"], strict=True) if m]
     assert trained == [20, 21, 2, 22, 23, 24, 2]
     assert text["input_ids"] == [5, 6, 7] and text["loss_mask"] == [1, 1, 1]
 

@@ -24,7 +24,7 @@ def test_parity_with_transformers(engines, references, record_cell, speculators,
     # Count, order and shapes, before any numerics.
     assert len(results) == len(seqs)
     hidden = 256
-    for res, seq in zip(results, seqs):
+    for res, seq in zip(results, seqs, strict=True):
         assert res["input_ids"].tolist() == seq
         assert len(res["hidden_states"]) == len(LAYER_IDS)
         for h in res["hidden_states"]:
@@ -50,7 +50,7 @@ def test_thresholds_reject_a_wrong_layer_and_a_wrong_sequence(engines, reference
     seqs = mixed_sequences(6, seed=11, lo=40, hi=200)
     results = engines.get("0.4.0.1", kind).generate(seqs)["results"]
     ref32, ref16 = references(kind)
-    shifted = [l + 1 for l in LAYER_IDS[:-1]]
+    shifted = [layer + 1 for layer in LAYER_IDS[:-1]]
     wrong_layer = measure(
         [{"hidden_states": r["hidden_states"][:-1]} for r in results],
         [ref32.hidden_states(s, shifted) for s in seqs],
@@ -60,7 +60,7 @@ def test_thresholds_reject_a_wrong_layer_and_a_wrong_sequence(engines, reference
     # another sequence of the same length: take each sequence's own prefix of the next one's states
     rotated = seqs[1:] + seqs[:1]
     cross = []
-    for res, other in zip(results, rotated):
+    for res, other in zip(results, rotated, strict=True):
         n = min(len(other), res["input_ids"].numel())
         cross.append(([h[:n] for h in res["hidden_states"]], other[:n]))
     wrong_seq = measure(

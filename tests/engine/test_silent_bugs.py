@@ -4,8 +4,6 @@ and, where the original code still runs, a control showing the same check fails 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -35,7 +33,7 @@ def check_against_reference(results, seqs, ref, layer_ids=LAYER_IDS):
 
 def assert_in_order(results, seqs):
     assert len(results) == len(seqs)
-    for i, (res, seq) in enumerate(zip(results, seqs)):
+    for i, (res, seq) in enumerate(zip(results, seqs, strict=True)):
         assert res["input_ids"].tolist() == seq, f"result {i} belongs to another sequence"
 
 
@@ -102,8 +100,8 @@ def test_repeated_calls_do_not_leak_state(engines):
     ra1 = host.generate(a)["results"]
     host.generate(b)
     ra2 = host.generate(a)["results"]
-    for x, y in zip(ra1, ra2):
-        for hx, hy in zip(x["hidden_states"], y["hidden_states"]):
+    for x, y in zip(ra1, ra2, strict=True):
+        for hx, hy in zip(x["hidden_states"], y["hidden_states"], strict=True):
             assert torch.equal(hx, hy)
 
 
@@ -115,7 +113,7 @@ def test_last_layer_is_the_pre_norm_residual_stream(engines, references):
     results = engines.get("0.4.0.1", "llama").generate(seqs)["results"]
     ref32, _ = references("llama")
     last = LAYER_IDS.index(5)
-    for res, seq in zip(results, seqs):
+    for res, seq in zip(results, seqs, strict=True):
         pre_norm = ref32.hidden_states(seq, [5])[0]
         with torch.no_grad():
             post_norm = ref32.model(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
