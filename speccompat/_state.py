@@ -25,6 +25,7 @@ class State:
         self.errors: list[str] = []
         self.row: Any = None
         self.redirected: list[Any] = []  # modules given scoped builtins
+        self.workers: list[dict[str, Any]] = []  # what the last executor's workers reported
 
     @property
     def adapter_name(self) -> str | None:

@@ -312,4 +312,5 @@ def check_workers(executor: Any) -> list[dict[str, Any]]:
     if bad:
         raise WorkerPatchError(f"workers run adapter(s) {[i.get('adapter') for i in bad]}, the driver {adapter}")
     logger.info("workers patched: %s", ", ".join(f"pid {i['pid']} ({i['runner']})" for i in infos))
+    STATE.workers = list(infos)
     return infos

@@ -341,10 +341,14 @@ def worker_info(self: Any) -> dict[str, Any]:
     from . import __version__
     from ._state import STATE
 
+    import multiprocessing
+
     runner = getattr(self, "model_runner", None)
     return {
         "speccompat": __version__,
         "adapter": STATE.adapter_name,
         "pid": os.getpid(),
-        "runner": type(runner).__name__ if runner is not None else None,
+        "runner": f"{type(runner).__module__}.{type(runner).__name__}" if runner is not None else None,
+        # "spawn" in a spawned process (multiprocessing sets it there); a forked one inherits the parent's.
+        "start_method": multiprocessing.get_start_method(allow_none=True),
     }

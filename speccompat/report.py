@@ -22,6 +22,7 @@ class Status:
     changes: list[dict[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    workers: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -37,6 +38,7 @@ class Status:
             "changes": self.changes,
             "warnings": self.warnings,
             "errors": self.errors,
+            "workers": self.workers,
         }
 
     def patch_state(self, patch_id: str) -> str | None:
@@ -96,6 +98,10 @@ def build_status(state: Any) -> Status:
             o = state.outcomes.get(p.id)
             if o is not None:
                 patches.append(o.as_dict())
+            elif state.armed and module.endswith(".custom_worker") and state.workers:
+                pids = ", ".join(str(w["pid"]) for w in state.workers)
+                patches.append({"id": p.id, "target": p.target, "state": "applied",
+                                 "reason": f"in the worker processes (pid {pids}), checked by RPC"})
             elif state.armed:
                 patches.append({"id": p.id, "target": p.target, "state": "pending",
                                 "reason": f"{module} not imported yet"})
@@ -123,4 +129,5 @@ def build_status(state: Any) -> Status:
         changes=[c.as_dict() for c in adapter_cls.history()] if adapter_cls is not None else [],
         warnings=list(state.warnings),
         errors=list(state.errors),
+        workers=list(state.workers),
     )
