@@ -5,7 +5,8 @@ that is several copies of every byte (layers x tokens x hidden x 2 bytes: 29 MB 
 Kimi-K2.5 tokens, gigabytes per batch). Instead the worker writes the packed states once, straight
 from the device, into a file in shared memory (``/dev/shm``) and replies with its name; the driver
 maps the file, unlinks it at once (the mapping stays valid) and copies each sequence out.
-Small replies travel inline.
+Small replies travel inline, and so does any reply that would not fit in ``/dev/shm`` with room
+to spare (containers often mount a small one; a full tmpfs kills the writer with SIGBUS).
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ INLINE_LIMIT = 4 << 20
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
+def _shm_has_room(nbytes: int) -> bool:
+    if _SHM is None:
+        return False
+    st = os.statvfs(_SHM)
+    return st.f_bavail * st.f_frsize > 2 * nbytes + (256 << 20)
+
+
 def pack(layers: list[Any]) -> dict[str, Any]:
     """Worker side: ``layers`` (same shape [tokens, hidden], any device) -> a small picklable dict."""
     import torch
@@ -28,7 +36,7 @@ def pack(layers: list[Any]) -> dict[str, Any]:
     first = layers[0]
     shape = (len(layers), *first.shape)
     nbytes = first.element_size() * first.numel() * len(layers)
-    if nbytes <= INLINE_LIMIT:
+    if nbytes <= INLINE_LIMIT or not _shm_has_room(nbytes):
         return {"inline": torch.stack([t.cpu() for t in layers])}
     fd, path = tempfile.mkstemp(prefix="speccompat-", suffix=".states", dir=_SHM)
     os.close(fd)

@@ -33,3 +33,10 @@ def test_a_failed_pack_leaves_no_file(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError):
         transport.pack([good, bad.view(8, 10)])  # shape mismatch while copying
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_small_dev_shm_falls_back_to_inline(monkeypatch):
+    monkeypatch.setattr(transport, "_shm_has_room", lambda nbytes: False)
+    layers = [torch.ones(5000, 256) for _ in range(4)]
+    desc = transport.pack(layers)
+    assert "inline" in desc and torch.equal(transport.unpack(desc)[3], layers[3])
