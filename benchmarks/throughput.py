@@ -37,9 +37,8 @@ def sequences(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list
 
 
 def run_mode(args: argparse.Namespace) -> dict:
-    """Child: build one engine, time the extraction of all inputs, report."""
-    seqs = json.loads(Path(args.inputs).read_text())
-    per_call = args.sequences_per_call or len(seqs)
+    """Child: build one engine, time each workload (all its sequences), report."""
+    workloads = json.loads(Path(args.inputs).read_text())
     t0 = time.perf_counter()
     if args.mode == "plain":
         from vllm import LLM, SamplingParams
@@ -47,7 +46,6 @@ def run_mode(args: argparse.Namespace) -> dict:
         llm = LLM(args.model_path, enforce_eager=True, enable_prefix_caching=False, max_model_len=args.max_model_len,
                   gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=32,
                   max_num_batched_tokens=max(8192, args.max_model_len), tensor_parallel_size=args.tp)
-        startup = time.perf_counter() - t0
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
         def extract(batch):
@@ -63,29 +61,36 @@ def run_mode(args: argparse.Namespace) -> dict:
 
         gen = VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
                                         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
-        startup = time.perf_counter() - t0
 
         def extract(batch):
             res = gen.generate(batch)
             assert len(res) == len(batch)
 
-    extract(seqs[: min(4, len(seqs))])  # warm-up call, not timed
-    t0 = time.perf_counter()
-    for i in range(0, len(seqs), per_call):
-        extract(seqs[i : i + per_call])
-    seconds = time.perf_counter() - t0
-    tokens = sum(map(len, seqs))
-    return {"mode": args.mode, "startup_s": round(startup, 2), "seconds": round(seconds, 3),
-            "sequences": len(seqs), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-            "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call}
+    startup = time.perf_counter() - t0
+    extract(workloads[0]["seqs"][:4])  # warm-up call, not timed
+    results = []
+    for w in workloads:
+        seqs, per_call = w["seqs"], w["per_call"] or len(w["seqs"])
+        t0 = time.perf_counter()
+        try:
+            for i in range(0, len(seqs), per_call):
+                extract(seqs[i : i + per_call])
+        except Exception as exc:  # noqa: BLE001 - e.g. the original generator beyond 32 sequences
+            results.append({"workload": w["name"], "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        seconds = time.perf_counter() - t0
+        tokens = sum(map(len, seqs))
+        results.append({"workload": w["name"], "seconds": round(seconds, 3), "sequences": len(seqs),
+                        "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                        "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call})
+    return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results}
 
 
 def spawn_mode(mode: str, args: argparse.Namespace, inputs: Path) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
     cmd = [sys.executable, __file__, "--child", mode, "--inputs", str(inputs), "--child-out", str(out),
            "--model-path", str(args.model_path), "--max-model-len", str(args.max_model_len),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp),
-           "--sequences-per-call", str(args.sequences_per_call)]
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -111,6 +116,7 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["generator", "plain"], choices=["generator", "plain", "original"])
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
+    ap.add_argument("--sweep", action="store_true", help="also measure scaling with batch size and length")
     ap.add_argument("--out", help="write the JSON result here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
@@ -126,14 +132,23 @@ def main() -> int:
 
         overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
         args.model_path = str(make_checkpoint(args.model, work / args.model, **overrides))
-    seqs = sequences(args.sequences, args.min_len, args.max_len)
+    main_seqs = sequences(args.sequences, args.min_len, args.max_len)
+    workloads = [{"name": "main", "seqs": main_seqs, "per_call": args.sequences_per_call}]
+    if args.sweep:
+        # sequences per generate() call, at fixed lengths; then sequence length, at fixed tokens
+        base = sequences(128, 256, 256, seed=1)
+        workloads += [{"name": f"per_call={n}", "seqs": base, "per_call": n} for n in (1, 4, 16, 64, 128)]
+        for length in (32, 128, 512, 1000):
+            count = max(8, 32768 // length)
+            workloads.append({"name": f"length={length}", "seqs": sequences(count, length, length, seed=2),
+                              "per_call": 0})
     inputs = work / "inputs.json"
-    inputs.write_text(json.dumps(seqs))
+    inputs.write_text(json.dumps(workloads))
     results = {}
     for mode in args.modes:
         runs = [spawn_mode(mode, args, inputs) for _ in range(args.repeat)]
         ok = [r for r in runs if "error" not in r]
-        results[mode] = max(ok, key=lambda r: r["tokens_per_s"]) if ok else runs[0]
+        results[mode] = max(ok, key=lambda r: r["workloads"][0].get("tokens_per_s", 0)) if ok else runs[0]
     import importlib.metadata as md
 
     def version(d: str) -> str | None:
@@ -156,17 +171,24 @@ def main() -> int:
         "speculators": version("speculators"),
         "model": args.model,
         "model_overrides": args.set,
-        "sequences": len(seqs),
-        "tokens": sum(map(len, seqs)),
+        "sequences": len(main_seqs),
+        "tokens": sum(map(len, main_seqs)),
         "lengths": [args.min_len, args.max_len],
         "results": results,
     }
-    g, p = results.get("generator", {}), results.get("plain", {})
-    if "tokens_per_s" in g and "tokens_per_s" in p:
-        doc["ratio_generator_to_plain"] = round(g["tokens_per_s"] / p["tokens_per_s"], 3)
-    o = results.get("original", {})
-    if "tokens_per_s" in g and "tokens_per_s" in o:
-        doc["ratio_generator_to_original"] = round(g["tokens_per_s"] / o["tokens_per_s"], 3)
+
+    def tps(mode: str, workload: str) -> float | None:
+        for w in results.get(mode, {}).get("workloads", []):
+            if w["workload"] == workload:
+                return w.get("tokens_per_s")
+        return None
+
+    ratios = {}
+    for w in workloads:
+        g, p, o = tps("generator", w["name"]), tps("plain", w["name"]), tps("original", w["name"])
+        ratios[w["name"]] = {"generator/plain": round(g / p, 3) if g and p else None,
+                             "generator/original": round(g / o, 3) if g and o else None}
+    doc["ratios"] = ratios
     text = json.dumps(doc, indent=2)
     print(text)
     if args.out:
