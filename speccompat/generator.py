@@ -160,6 +160,10 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
             steps += 1
     except BaseException:
         _abort(mod, scheduler, req_ids)
+        try:  # drop what the workers captured so far (device memory) before re-raising
+            executor.collective_rpc("_reset_capture")
+        except Exception:  # noqa: BLE001, S110 - the original error is the one to report
+            pass
         raise
     _abort(mod, scheduler, req_ids)  # no-op for finished requests; frees anything left
     t_loop = time.perf_counter()
