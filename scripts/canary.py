@@ -63,7 +63,7 @@ def main() -> int:
     status = report.get("status", {})
     print(f"doctor: exit {doctor.returncode}, state {status.get('state')}, adapter {status.get('adapter')}, "
           f"probe {status.get('probe')}, mismatches {status.get('mismatches')}")
-    # A nightly has no matrix row: doctor then exits 1 by design; the probe is what matters here.
+    # A nightly has no matrix row: doctor then exits 3 by design; the live probe is what matters here.
     probe_ok = status.get("state") == "active" and status.get("probe") == "matched"
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args.tests,
                             "-k", args.select],

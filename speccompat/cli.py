@@ -90,18 +90,22 @@ def doctor_report(import_speculators: bool = True) -> tuple[dict[str, Any], int]
         report["adapter_by_version"] = sel.name() if sel else None
     report["adapters"] = [f"{a.name()} (vLLM >= {a.since})" for a in all_adapters()]
     row = status.matrix_row
-    ok = (
-        status.state == "active"
-        and row is not None
-        and row["status"] in ("supported", "static")
-        and not report.get("import_errors")
-        and report["plugin"]["registered"]
-        and report["plugin"]["enabled"]
-    )
-    if status.state == "armed" and not import_speculators:
-        ok = row is not None and row["status"] in ("supported", "static")
-    report["supported"] = ok
-    return report, 0 if ok else 1
+    works = (
+        status.state == "active" or (status.state == "armed" and not import_speculators)
+    ) and not report.get("import_errors") and report["plugin"]["registered"] and report["plugin"]["enabled"]
+    cell = row["status"] if row is not None else None
+    if works and cell == "supported":
+        verdict, code = "supported: an end-to-end parity run of this exact combination is on record", 0
+    elif works and cell == "static":
+        verdict, code = ("static only: the adapter's fingerprint matches this vLLM, but no end-to-end "
+                         "run of this combination is on record"), 3
+    elif works:
+        verdict, code = "unverified: no compat_matrix.yaml row; the live probe matched an adapter", 3
+    else:
+        verdict, code = "NOT supported", 1
+    report["supported"] = code == 0
+    report["verdict"] = verdict
+    return report, code
 
 
 def _print_doctor(report: dict[str, Any]) -> None:
@@ -131,13 +135,14 @@ def _print_doctor(report: dict[str, Any]) -> None:
         print(f"fingerprints: cannot probe vLLM: {report['fingerprints_error']}")
     if report.get("env"):
         print("environment: " + ", ".join(f"{k}={v}" for k, v in sorted(report["env"].items())))
-    print("verdict: " + ("supported" if report["supported"] else "NOT supported (exit code 1)"))
+    print(f"verdict: {report['verdict']}")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="speccompat", description="speccompat: speculators 0.3/0.4 on any vLLM")
     sub = ap.add_subparsers(dest="cmd")
-    d = sub.add_parser("doctor", help="diagnose the installed speculators/vLLM combination")
+    d = sub.add_parser("doctor", help="diagnose the installed speculators/vLLM combination "
+                       "(exit 0 supported, 3 works but not run end to end, 1 not supported)")
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.add_argument("--no-import", action="store_true", help="do not import speculators (faster, fewer checks)")
     demo = sub.add_parser("demo", help="make a tiny model and extract its hidden states through speculators")
