@@ -244,7 +244,7 @@ def generate(evidence_dir: Any) -> Matrix:
                 continue
             ref = {"kind": kind, "date": run["date"], "ref": f.relative_to(evidence_dir.parent).as_posix()}
             for cell in run["cells"]:
-                key = (cell["speculators"], run["vllm"], cell["model"], run.get("runner"), run.get("tp"))
+                key = (cell["speculators"], run["vllm"], cell["model"], run.get("runner"), cell.get("tp", run.get("tp")))
                 latest[key] = (cell["outcome"], ref)
         # A (speculators, vLLM) cell is shown end to end when every model run on it passed last time.
         by_cell: dict[tuple[str, str], list[tuple[str, dict[str, str]]]] = {}

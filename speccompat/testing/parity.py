@@ -71,8 +71,9 @@ class Thresholds(NamedTuple):
 
     A case passes when its relative error is within ``rel_ratio`` times its own bf16 noise (or
     ``rel_floor``) and its fraction of disagreeing tokens within ``bad_ratio`` times the noise's
-    (plus ``bad_floor``). MoE routing flips are random per case: vLLM may flip a token where
-    transformers-bf16 happened not to, so up to ``allowance`` of the cases may exceed those limits,
+    (plus ``bad_floor``). MoE routing flips are random per token: vLLM may flip a token where
+    transformers-bf16 happened not to, and the flip then carries into the later layers of that
+    sequence. So up to ``allowance`` of the sequences may have cases beyond those limits,
     but never the ``ceiling`` (nor 1.5 times the case's own noise, when that is higher) - a capture
     error (another layer, another sequence) is far above it in every case.
     """
@@ -81,7 +82,7 @@ class Thresholds(NamedTuple):
     rel_floor: float = 0.03
     bad_ratio: float = 3.0
     bad_floor: float = 0.03
-    allowance: float = 0.02  # fraction of cases (at least one) that may exceed the limits above
+    allowance: float = 0.05  # fraction of sequences (at least one) whose cases may exceed the limits above
     ceiling_rel: float = 0.25
     ceiling_bad: float = 0.25
 
@@ -107,6 +108,7 @@ def violations(cases: list[Case], t: Thresholds | None = None) -> list[str]:
         if c.got.rel > ceiling_rel or c.bad_tokens > ceiling_bad:
             beyond.append(_describe(c, ceiling_rel, ceiling_bad) + " [above the ceiling]")
         elif c.got.rel > rel_limit or c.bad_tokens > bad_limit:
-            over.append(_describe(c, rel_limit, bad_limit))
-    allowed = max(1, int(t.allowance * len(cases)))
-    return beyond + (over if len(over) > allowed else [])
+            over.append((c, _describe(c, rel_limit, bad_limit)))
+    sequences_over = {c.seq for c, _ in over}
+    allowed = max(1, int(t.allowance * len({c.seq for c in cases})))
+    return beyond + ([msg for _, msg in over] if len(sequences_over) > allowed else [])
