@@ -11,7 +11,7 @@ Modes (each runs in its own fresh process, one after the other, engine start-up 
     python benchmarks/throughput.py --out results.json [--model llama] [--sequences 128] ...
 
 Prints one JSON document: per mode tokens/s, samples/s, seconds, peak RSS of the mode's process
-tree, plus the ratio generator/plain. Used for docs/benchmarks.md (CPU) and on the H200.
+tree (sum of each process's peak, engine workers included), plus ratios between the modes. Used for docs/benchmarks.md (CPU) and on the H200.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -83,7 +82,35 @@ def run_mode(args: argparse.Namespace) -> dict:
         results.append({"workload": w["name"], "seconds": round(seconds, 3), "sequences": len(seqs),
                         "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                         "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call})
-    return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results}
+    return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results,
+            "peak_rss_mb": round(tree_peak_rss() / 1024, 1)}
+
+
+def tree_peak_rss() -> int:
+    """Sum of the peak resident set (VmHWM, kB) of this process and its live descendants."""
+    def hwm(pid: int) -> int:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier += kids
+    return sum(hwm(p) for p in tree)
 
 
 def spawn_mode(mode: str, args: argparse.Namespace, inputs: Path) -> dict:
@@ -91,14 +118,10 @@ def spawn_mode(mode: str, args: argparse.Namespace, inputs: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--inputs", str(inputs), "--child-out", str(out),
            "--model-path", str(args.model_path), "--max-model-len", str(args.max_model_len),
            "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"mode": mode, "error": (proc.stderr or proc.stdout)[-3000:]}
-    res = json.loads(out.read_text())
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    res["peak_rss_mb"] = round(max(after, before) / 1024, 1)  # largest process of the tree so far
-    return res
+    return json.loads(out.read_text())
 
 
 def main() -> int:
