@@ -8,7 +8,7 @@ import pytest
 
 from speccompat.testing.parity import measure, violations
 
-from .conftest import KINDS, LAYER_IDS, SPECULATORS, mixed_sequences
+from .conftest import KINDS, LAYER_IDS, SPECULATORS, mixed_sequences, skip_unless_model_runs
 
 pytestmark = pytest.mark.engine
 
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.engine
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("speculators", SPECULATORS)
 def test_parity_with_transformers(engines, references, record_cell, speculators, kind):
+    skip_unless_model_runs(kind)
     seqs = mixed_sequences(45, seed=7)
     host = engines.get(speculators, kind)
     out = host.generate(seqs)

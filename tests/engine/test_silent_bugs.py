@@ -10,7 +10,7 @@ import torch
 from speccompat.testing.client import EngineError
 from speccompat.testing.parity import compare, measure, violations
 
-from .conftest import ENGINE_ENV, LAYER_IDS, mixed_sequences
+from .conftest import ENGINE_ENV, LAYER_IDS, mixed_sequences, mla_runs_here
 
 pytestmark = pytest.mark.engine
 
@@ -176,11 +176,6 @@ def test_non_finite_states_raise_naming_sequence_and_layer(engines, tmp_path):
 # --------------------------------------------------------------------- DeepseekV2/V3 (Kimi) forward
 
 SCALING = {"llama_4_scaling": {"original_max_position_embeddings": 16, "beta": 0.5}}
-
-
-def mla_runs_here() -> bool:
-    """DeepseekV3 (MLA) runs on vLLM's CPU platform from 0.28.0, on CUDA always."""
-    return torch.cuda.is_available() or vllm_at_least("0.28.0")
 
 
 @pytest.mark.skipif(ENGINE_ENV is None or not (mla_runs_here() and vllm_at_least("0.12.0")),

@@ -7,7 +7,7 @@ import pytest
 
 from speccompat.testing.parity import measure, violations
 
-from .conftest import LAYER_IDS, mixed_sequences
+from .conftest import LAYER_IDS, mixed_sequences, skip_unless_model_runs
 
 pytestmark = pytest.mark.engine
 
@@ -20,11 +20,7 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 def test_tp2_parity_from_one_rank(engines, references, record_cell, speculators, kind):
     import torch
 
-    if kind == "deepseek_v3" and not torch.cuda.is_available():
-        from .test_silent_bugs import mla_runs_here
-
-        if not mla_runs_here():
-            pytest.skip("MLA (DeepseekV3) runs on vLLM's CPU platform from 0.28.0")
+    skip_unless_model_runs(kind)
     host = engines.get(speculators, kind, tp=2, env=None if torch.cuda.is_available() else TP2_ENV)
     seqs = mixed_sequences(40, seed=31, lo=20, hi=300)
     out = host.generate(seqs)
