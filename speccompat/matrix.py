@@ -246,17 +246,19 @@ def generate(evidence_dir: Any) -> Matrix:
             for cell in run["cells"]:
                 key = (cell["speculators"], run["vllm"], cell["model"], run.get("runner"), cell.get("tp", run.get("tp")))
                 latest[key] = (cell["outcome"], ref)
-        # A (speculators, vLLM) cell is shown end to end when every model run on it passed last time.
-        by_cell: dict[tuple[str, str], list[tuple[str, dict[str, str]]]] = {}
-        for (spec, rel, *_), value in latest.items():
-            by_cell.setdefault((spec, rel), []).append(value)
+        # A (speculators, vLLM) cell is shown end to end when every model run on it passed last time;
+        # each evidence item says which models it covers.
+        by_cell: dict[tuple[str, str], list[tuple[str, str, dict[str, str]]]] = {}
+        for (spec, rel, model, *_), (outcome, ref) in latest.items():
+            by_cell.setdefault((spec, rel), []).append((model, outcome, ref))
         for key, results in by_cell.items():
-            if all(outcome == "passed" for outcome, _ in results):
-                for _, ref in results:
-                    if ref not in cells.setdefault(key, []):
-                        cells[key].append(ref)
+            if all(outcome == "passed" for _, outcome, _ in results):
+                for ref in sorted({r["ref"] for _, _, r in results}):
+                    models = sorted({m for m, _, r in results if r["ref"] == ref})
+                    base = next(r for _, _, r in results if r["ref"] == ref)
+                    cells.setdefault(key, []).append({**base, "models": ", ".join(models)})
             else:
-                failed = sorted({r["ref"] for o, r in results if o != "passed"})
+                failed = sorted({r["ref"] for _, o, r in results if o != "passed"})
                 notes[key] = f"{kind} failed in {', '.join(failed)}"
     rows = []
     for spec in speculators:
@@ -284,9 +286,14 @@ def readme_table(m: Matrix) -> str:
     def cell(row: Row | None) -> str:
         if row is None:
             return "-"
-        kinds = [k for k in EVIDENCE_KINDS if k in row.kinds() and k != "static"]
         if row.status == "supported":
-            return "**supported** (" + ", ".join(kinds) + ")"
+            shown = []
+            for k in ("cpu-e2e", "gpu-e2e"):
+                models = sorted({m.strip() for e in row.evidence if e["kind"] == k
+                                 for m in e.get("models", "").split(",") if m.strip()})
+                if models:
+                    shown.append(f"{k}: {', '.join(models)}")
+            return "**supported** (" + "; ".join(shown) + ")"
         return row.status
 
     by_cell = {(r.speculators, r.vllm): r for r in m.rows}
