@@ -31,6 +31,24 @@ __all__ = ["compat_del", "compat_generate", "normalize_token_ids", "validate_res
 logger = logging.getLogger("speccompat.generator")
 
 
+def _checked_ids(i: int, seq: list | tuple, vocab_size: int) -> list[int]:
+    """``seq`` as a list of ints in ``[0, vocab_size)``, or an error naming sequence and position."""
+    if set(map(type, seq)) == {int} and min(seq) >= 0 and max(seq) < vocab_size:
+        return list(seq)  # the common case, at C speed
+    out = []
+    for j, tok in enumerate(seq):  # otherwise find the first offending token (or accept int-likes)
+        if isinstance(tok, (bool, float)):
+            raise TypeError(f"sequence {i}, position {j}: token id {tok!r} is not an integer")
+        try:
+            t = operator.index(tok)
+        except TypeError:
+            raise TypeError(f"sequence {i}, position {j}: token id {tok!r} is not an integer") from None
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"sequence {i}, position {j}: token id {t} outside the vocabulary [0, {vocab_size})")
+        out.append(t)
+    return out
+
+
 def normalize_token_ids(token_ids: Any, *, vocab_size: int, max_len: int) -> tuple[list[list[int]], list[int]]:
     """Check and copy the caller's input. Returns (sequences, indices of truncated sequences).
 
@@ -57,17 +75,7 @@ def normalize_token_ids(token_ids: Any, *, vocab_size: int, max_len: int) -> tup
             raise TypeError(f"sequence {i}: expected a list of token ids, got {type(seq).__name__}")
         if len(seq) == 0:
             raise ValueError(f"sequence {i} is empty")
-        out = []
-        for j, tok in enumerate(seq):
-            if isinstance(tok, bool) or isinstance(tok, float):
-                raise TypeError(f"sequence {i}, position {j}: token id {tok!r} is not an integer")
-            try:
-                t = operator.index(tok)
-            except TypeError:
-                raise TypeError(f"sequence {i}, position {j}: token id {tok!r} is not an integer") from None
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"sequence {i}, position {j}: token id {t} outside the vocabulary [0, {vocab_size})")
-            out.append(t)
+        out = _checked_ids(i, seq, vocab_size)
         if len(out) > max_len:
             truncated.append(i)
             out = out[:max_len]

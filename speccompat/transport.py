@@ -15,7 +15,7 @@ import os
 import tempfile
 from typing import Any
 
-__all__ = ["INLINE_LIMIT", "pack", "unpack"]
+__all__ = ["INLINE_LIMIT", "allocate", "discard", "pack", "unpack"]
 
 #: Replies up to this many bytes are pickled inline (no file).
 INLINE_LIMIT = 4 << 20
@@ -29,27 +29,50 @@ def _shm_has_room(nbytes: int) -> bool:
     return st.f_bavail * st.f_frsize > 2 * nbytes + (256 << 20)
 
 
-def pack(layers: list[Any]) -> dict[str, Any]:
-    """Worker side: ``layers`` (same shape [tokens, hidden], any device) -> a small picklable dict."""
+def allocate(shape: tuple[int, ...], dtype: Any) -> tuple[dict[str, Any], Any]:
+    """Worker side: a CPU tensor to fill, and the small picklable dict that will carry it.
+
+    Fill the tensor completely before sending the dict (it is the shared file, or the inline copy).
+    """
     import torch
 
-    first = layers[0]
-    shape = (len(layers), *first.shape)
-    nbytes = first.element_size() * first.numel() * len(layers)
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if nbytes <= INLINE_LIMIT or not _shm_has_room(nbytes):
-        return {"inline": torch.stack([t.cpu() for t in layers])}
+        buf = torch.empty(shape, dtype=dtype)
+        return {"inline": buf}, buf
     fd, path = tempfile.mkstemp(prefix="speccompat-", suffix=".states", dir=_SHM)
     os.close(fd)
     try:
-        numel = first.numel() * len(layers)
-        buf = torch.from_file(path, shared=True, size=numel, dtype=first.dtype).view(shape)
-        for i, t in enumerate(layers):
-            buf[i].copy_(t)  # device -> shared pages, one copy
-        del buf
+        buf = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
     except BaseException:
         os.unlink(path)
         raise
-    return {"file": path, "shape": list(shape), "dtype": str(first.dtype).removeprefix("torch.")}
+    return {"file": path, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}, buf
+
+
+def discard(desc: dict[str, Any]) -> None:
+    """Worker side: drop an allocation that will not be sent (an error while filling it)."""
+    if "file" in desc:
+        try:
+            os.unlink(desc["file"])
+        except FileNotFoundError:
+            pass
+
+
+def pack(layers: list[Any]) -> dict[str, Any]:
+    """Worker side: ``layers`` (same shape [tokens, hidden], any device) -> a small picklable dict."""
+    first = layers[0]
+    desc, buf = allocate((len(layers), *first.shape), first.dtype)
+    try:
+        for i, t in enumerate(layers):
+            buf[i].copy_(t)  # device -> shared pages, one copy
+    except BaseException:
+        discard(desc)
+        raise
+    return desc
 
 
 def unpack(desc: dict[str, Any]) -> Any:

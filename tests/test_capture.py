@@ -209,3 +209,13 @@ def test_layer_ids_are_checked_and_attachments_come_off(tp):
     cap.detach()
     assert "forward" not in vars(base) and "execute_model" not in vars(runner)
     assert not base.layers[1]._forward_hooks
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 3.0])
+def test_all_finite_matches_isfinite(dtype, value):
+    from speccompat.capture import all_finite
+
+    t = torch.randn(64, 32).to(dtype)
+    t[17, 5] = value
+    assert all_finite(t) == bool(torch.isfinite(t).all())
