@@ -87,6 +87,7 @@ def plot(series: dict) -> bool:
         for mode, style in (("generator", "o-"), ("plain", "s--")):
             ax.plot(s["x"], s[mode], style, label=mode if mode == "plain" else "speculators + speccompat")
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel(label)
         ax.set_ylabel("tokens/s")
         ax.grid(alpha=0.3)
