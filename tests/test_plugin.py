@@ -44,23 +44,20 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_workers_are_patched_when_the_driver_applied(tmp_path, py, fake_world, method):
+@pytest.mark.parametrize("driver_applied", [True, False])
+def test_workers_follow_the_driver(tmp_path, py, fake_world, method, driver_applied):
+    """Patched in the worker when the driver applied (the plugin re-applies under spawn; fork
+    inherits), untouched when it did not."""
     script = tmp_path / "driver.py"
     script.write_text(CHILD)
-    out = py(f"import runpy, sys; sys.argv = ['driver', 'apply', '{method}']; runpy.run_path('{script}', run_name='__main__')",
+    arg = "apply" if driver_applied else "no"
+    out = py(f"import runpy, sys; sys.argv = ['driver', '{arg}', '{method}']; runpy.run_path('{script}', run_name='__main__')",
              path=fake_world).stdout.splitlines()[-1]
     pid, has_info, setup_name, state = json.loads(out)
-    assert has_info and setup_name == "setup_hidden_states_capture" and state == "active"
-
-
-@pytest.mark.parametrize("method", ["spawn", "fork"])
-def test_plugin_does_nothing_when_the_driver_did_not_apply(tmp_path, py, fake_world, method):
-    script = tmp_path / "driver.py"
-    script.write_text(CHILD)
-    out = py(f"import runpy, sys; sys.argv = ['driver', 'no', '{method}']; runpy.run_path('{script}', run_name='__main__')",
-             path=fake_world).stdout.splitlines()[-1]
-    pid, has_info, setup_name, state = json.loads(out)
-    assert not has_info and setup_name == "_setup_hidden_states_capture" and state == "inactive"
+    if driver_applied:
+        assert has_info and setup_name == "setup_hidden_states_capture" and state == "active"
+    else:
+        assert not has_info and setup_name == "_setup_hidden_states_capture" and state == "inactive"
 
 
 def test_plugin_is_safe_to_load_many_times(py, fake_world):
