@@ -92,6 +92,7 @@ class Matrix:
             "# status: supported   = end-to-end parity run of this exact cell (cpu-e2e / gpu-e2e);",
             "#         static      = adapter fingerprint checked on this release's sources, not run;",
             "#         unsupported = see note.",
+            "# evidence of a run: models and tensor-parallel sizes it covers; runner v1/v2 where forced.",
             "schema: 1",
             "releases: " + json.dumps(self.releases),
             "speculators: " + json.dumps(self.speculators),
@@ -243,22 +244,25 @@ def generate(evidence_dir: Any) -> Matrix:
             if not run.get("applied", True):  # a control run without speccompat proves nothing
                 continue
             ref = {"kind": kind, "date": run["date"], "ref": f.relative_to(evidence_dir.parent).as_posix()}
+            if run.get("runner") not in (None, "default"):
+                ref["runner"] = run["runner"]
             for cell in run["cells"]:
-                key = (cell["speculators"], run["vllm"], cell["model"], run.get("runner"), cell.get("tp", run.get("tp")))
+                tp = cell.get("tp", run.get("tp", 1))
+                key = (cell["speculators"], run["vllm"], cell["model"], run.get("runner"), tp)
                 latest[key] = (cell["outcome"], ref)
         # A (speculators, vLLM) cell is shown end to end when every model run on it passed last time;
         # each evidence item says which models it covers.
-        by_cell: dict[tuple[str, str], list[tuple[str, str, dict[str, str]]]] = {}
-        for (spec, rel, model, *_), (outcome, ref) in latest.items():
-            by_cell.setdefault((spec, rel), []).append((model, outcome, ref))
+        by_cell: dict[tuple[str, str], list[tuple[str, int, str, dict[str, str]]]] = {}
+        for (spec, rel, model, _runner, tp), (outcome, ref) in latest.items():
+            by_cell.setdefault((spec, rel), []).append((model, tp, outcome, ref))
         for key, results in by_cell.items():
-            if all(outcome == "passed" for _, outcome, _ in results):
-                for ref in sorted({r["ref"] for _, _, r in results}):
-                    models = sorted({m for m, _, r in results if r["ref"] == ref})
-                    base = next(r for _, _, r in results if r["ref"] == ref)
-                    cells.setdefault(key, []).append({**base, "models": ", ".join(models)})
+            if all(outcome == "passed" for _, _, outcome, _ in results):
+                for ref in sorted({r["ref"] for *_, r in results}):
+                    mine = [(m, tp, r) for m, tp, _, r in results if r["ref"] == ref]
+                    cells.setdefault(key, []).append({**mine[0][2], "tp": ", ".join(map(str, sorted({tp for _, tp, _ in mine}))),
+                                                      "models": ", ".join(sorted({m for m, _, _ in mine}))})
             else:
-                failed = sorted({r["ref"] for _, o, r in results if o != "passed"})
+                failed = sorted({r["ref"] for *_, o, r in results if o != "passed"})
                 notes[key] = f"{kind} failed in {', '.join(failed)}"
     rows = []
     for spec in speculators:
@@ -291,8 +295,9 @@ def readme_table(m: Matrix) -> str:
             for k in ("cpu-e2e", "gpu-e2e"):
                 models = sorted({m.strip() for e in row.evidence if e["kind"] == k
                                  for m in e.get("models", "").split(",") if m.strip()})
+                tps = sorted({int(tp) for e in row.evidence if e["kind"] == k for tp in e.get("tp", "1").split(",")})
                 if models:
-                    shown.append(f"{k}: {', '.join(models)}")
+                    shown.append(f"{k}: {', '.join(models)}" + (f" at TP {', '.join(map(str, tps))}" if tps != [1] else ""))
             return "**supported** (" + "; ".join(shown) + ")"
         return row.status
 

@@ -28,17 +28,18 @@ case "${1:-}" in
     if [ "$RUNNER" = v1 ]; then export VLLM_USE_V2_MODEL_RUNNER=0; else unset VLLM_USE_V2_MODEL_RUNNER; fi
     V=$(python3 -c "import json; print(json.load(open('/tmp/speccompat-env.json'))['vllm'])")
     export SPECCOMPAT_EVIDENCE_OUT="$OUT/vllm-$V-tp$TP-$RUNNER.json" SPECCOMPAT_TEST_TP="$TP" SPECCOMPAT_TEST_RUNNER="$RUNNER"
+    BT="/tmp/pytest-$RUNNER-tp$TP"
     set +e
-    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_parity.py \
-      tests/engine/test_silent_bugs.py -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -60 | tee "$OUT/pytest-$RUNNER-tp$TP.txt"
+    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --basetemp="$BT" ${TEST_FILES:-tests/engine/test_parity.py \
+      tests/engine/test_silent_bugs.py} -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -60 | tee "$OUT/pytest-$RUNNER-tp$TP.txt"
     rc=${PIPESTATUS[0]}
-    for f in /tmp/pytest-of-*/pytest-current/engines0/logs/*.log; do
+    for f in "$BT"/engines0/logs/*.log; do
       [ -f "$f" ] && { echo "=== $f"; tail -c 20000 "$f"; }
     done > "$OUT/logs-$RUNNER-tp$TP.txt" 2>/dev/null
     exit $rc
     ;;
   bench)
-    PYTHONPATH="/tmp/site:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu.json" ${BENCH_ARGS:-}
+    PYTHONPATH="/tmp/site:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu${BENCH_NAME:+-$BENCH_NAME}.json" ${BENCH_ARGS:-}
     ;;
   *) echo "usage: device_run.sh install | test [v1|v2] [TP] | bench"; exit 2 ;;
 esac

@@ -71,6 +71,9 @@ class EnginePool:
         """A started engine host for this configuration (shared); ``start=False``: a new, unstarted one."""
         from speccompat.testing.client import EngineHost
 
+        if speculators not in ENGINE_ENV["speculators"]:
+            pytest.skip(f"speculators {speculators} is not installed in this engine environment "
+                        f"(it has {', '.join(ENGINE_ENV['speculators'])})")
         apply = apply and not NO_APPLY
         key = (speculators, kind, tuple(layer_ids), apply, json.dumps(overrides or {}, sort_keys=True),
                json.dumps(config, sort_keys=True), json.dumps(env or {}, sort_keys=True))
