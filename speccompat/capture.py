@@ -118,6 +118,9 @@ class WorkerCapture:
         self.prompts: dict[str, list[int]] = {}
         self._handles: list[Any] = []
         self._attached: list[tuple[Any, str]] = []
+        from .transport import Staging
+
+        self.staging = Staging()  # reused for every reply of this worker (pinned when on a GPU)
         self._attach()
 
     # ------------------------------------------------------------------------------- attachment
@@ -175,6 +178,7 @@ class WorkerCapture:
             if name in vars(obj):
                 delattr(obj, name)
         self._attached.clear()
+        self.staging.release()
 
     # ----------------------------------------------------------------------------------- steps
     def _open_step(self, so: Any) -> _Step:
@@ -310,7 +314,8 @@ class WorkerCapture:
         index = torch.from_numpy(
             np.concatenate([np.arange(row, row + n) for rid in req_ids for row, n in chunks[rid]]))
         first = self.steps[0].layers[self.layer_ids[0]]
-        states, buf = transport.allocate((len(self.layer_ids), len(index), first.shape[-1]), first.dtype)
+        states, buf = self.staging.allocate((len(self.layer_ids), len(index), first.shape[-1]), first.dtype,
+                                            first.device)
         nonfinite = {}
         try:
             for i, layer_id in enumerate(self.layer_ids):
@@ -323,7 +328,8 @@ class WorkerCapture:
                     bad = ~torch.isfinite(packed).all(dim=-1)
                     nonfinite[layer_id] = (int(bad.nonzero()[0, 0]), int(bad.sum()))
                 if packed.data_ptr() != buf[i].data_ptr():
-                    buf[i].copy_(packed)
+                    buf[i].copy_(packed, non_blocking=True)
+            self.staging.ready()
         except BaseException:
             transport.discard(states)
             raise

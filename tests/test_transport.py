@@ -40,3 +40,90 @@ def test_a_small_dev_shm_falls_back_to_inline(monkeypatch):
     layers = [torch.ones(5000, 256) for _ in range(4)]
     desc = transport.pack(layers)
     assert "inline" in desc and torch.equal(transport.unpack(desc)[3], layers[3])
+
+
+def test_staging_file_is_reused_until_it_must_grow(monkeypatch):
+    monkeypatch.setattr(transport, "_MAPPED", {})
+    staging = transport.Staging()
+    try:
+        seen = []
+        for tokens in (5000, 3000, 5000, 20000):  # 10 MB, 6 MB, 10 MB, 41 MB of bf16
+            layers = [torch.randn(tokens, 256).to(torch.bfloat16) for _ in range(4)]
+            desc, buf = staging.allocate((4, tokens, 256), torch.bfloat16, "cpu")
+            for i, t in enumerate(layers):
+                buf[i].copy_(t)
+            staging.ready()
+            assert "file" in desc
+            out = transport.unpack(desc)
+            assert not os.path.exists(desc["file"])  # removed by the driver's first mapping
+            for i, t in enumerate(layers):
+                assert torch.equal(out[i], t)
+            seen.append((desc["staging"], desc["capacity"]))
+        assert seen[0] == seen[1] == seen[2]  # same file, no new pages
+        assert seen[3][0] != seen[0][0] and seen[3][1] >= 4 * 20000 * 256 * 2
+        assert list(transport._MAPPED) == [os.getpid()]  # the old mapping was dropped
+    finally:
+        staging.release()
+
+
+def test_staging_view_is_overwritten_by_the_next_reply(monkeypatch):
+    """Why the generator copies each sequence out before returning."""
+    monkeypatch.setattr(transport, "_MAPPED", {})
+    staging = transport.Staging()
+    try:
+        desc, buf = staging.allocate((4, 5000, 256), torch.float32, "cpu")
+        buf.fill_(1.0)
+        first = transport.unpack(desc)
+        kept = first[0].clone()
+        desc, buf = staging.allocate((4, 5000, 256), torch.float32, "cpu")
+        buf.fill_(2.0)
+        transport.unpack(desc)
+        assert float(first[0, 0, 0]) == 2.0 and float(kept[0, 0]) == 1.0
+    finally:
+        staging.release()
+
+
+def test_staging_release_removes_an_unmapped_file_and_discard_keeps_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(transport, "_SHM", str(tmp_path))
+    staging = transport.Staging()
+    desc, _ = staging.allocate((4, 5000, 256), torch.float32, "cpu")
+    transport.discard(desc)  # an error while filling: the staging file stays for the next reply
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(desc["file"])]
+    staging.release()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_copy_out_gives_each_sequence_and_layer_its_own_memory():
+    from speccompat.generator import copy_out
+
+    states = torch.randn(4, 1000, 64)
+    lengths = [100, 1, 899]
+    hidden = copy_out(torch.split(states, lengths, dim=1))
+    assert [len(h) for h in hidden] == [4, 4, 4]
+    ptrs = {t.untyped_storage().data_ptr() for h in hidden for t in h}
+    assert len(ptrs) == 12
+    lo, hi = states.data_ptr(), states.data_ptr() + states.numel() * 4
+    assert not any(lo <= p < hi for p in ptrs)
+    off = 0
+    for h, n in zip(hidden, lengths, strict=True):
+        for layer, t in enumerate(h):
+            assert t.shape == (n, 64) and torch.equal(t, states[layer, off:off + n])
+        off += n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning the staging file needs a CUDA device")
+def test_staging_from_a_gpu_is_pinned_and_exact(monkeypatch):
+    monkeypatch.setattr(transport, "_MAPPED", {})
+    staging = transport.Staging()
+    try:
+        for seed in (0, 1):  # the second reply reuses the pinned file
+            torch.manual_seed(seed)
+            src = torch.randn(4, 20000, 1024, device="cuda").to(torch.bfloat16)
+            desc, buf = staging.allocate(tuple(src.shape), src.dtype, src.device)
+            for i in range(4):
+                buf[i].copy_(src[i], non_blocking=True)
+            staging.ready()
+            assert staging.pinned is True
+            assert torch.equal(transport.unpack(desc), src.cpu())
+    finally:
+        staging.release()
