@@ -19,12 +19,13 @@ For one batch of captured states on the device ([layers, tokens, hidden] bf16, 1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from _results import write  # benchmarks/_results.py
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -137,10 +138,7 @@ def main() -> int:
             times.append(inner if isinstance(inner, float) else time.perf_counter() - t)
         result[f"{name}_s"] = round(statistics.median(times), 4)
     staging.release()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    write(result, args.out)
     return 0
 
 

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import write  # benchmarks/_results.py
+
 REPO = Path(__file__).resolve().parent.parent
 
 PROBE = r"""
@@ -73,10 +75,7 @@ def main() -> int:
         "modules_imported": samples[-1]["modules"],
         "heavy_modules_imported": samples[-1]["heavy"],
     }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    write(doc, args.out)
     return 0 if not doc["heavy_modules_imported"] else 1
 
 

@@ -10,11 +10,12 @@ between neighbouring layers and between sequences, which is what a capture error
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import tempfile
 from pathlib import Path
+
+from _results import write  # benchmarks/_results.py
 
 
 def main() -> int:
@@ -68,10 +69,7 @@ def main() -> int:
             "neighbouring_layer_rel_min": round(min(neighbour), 3),
             "other_sequence_rel_min": round(min(cross), 3),
         }
-    text = json.dumps(doc, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    write(doc, args.out)
     return 0
 
 

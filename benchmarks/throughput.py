@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import write  # benchmarks/_results.py
+
 LAYER_IDS = [0, 2, 4, 5]
 
 
@@ -216,10 +218,7 @@ def main() -> int:
         ok = [r for r in runs if "error" not in r]
         results[mode] = max(ok, key=lambda r: r["workloads"][0].get("tokens_per_s", 0)) if ok else runs[0]
         # after each mode, so that a run cut short (a time limit) keeps what it measured
-        text = json.dumps(document(args, main_seqs, workloads, results), indent=2)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(text + "\n")
+        text = write(document(args, main_seqs, workloads, results), args.out, echo=False)
     print(text)
     return 0
 

@@ -14,10 +14,11 @@ get per-sequence tensors it owns:
 from __future__ import annotations
 
 import argparse
-import json
 import pickle
 import statistics
 import time
+
+from _results import write  # benchmarks/_results.py
 
 
 def main() -> int:
@@ -57,10 +58,7 @@ def main() -> int:
             times.append(time.perf_counter() - t)
         result[f"{name}_s_median"] = round(statistics.median(times), 3)
     result["speedup"] = round(result["pickle_s_median"] / result["shm_s_median"], 2)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        open(args.out, "w").write(text + "\n")
+    write(result, args.out)
     return 0
 
 
