@@ -20,10 +20,12 @@ tree (sum of each process's peak, engine workers included), plus ratios between 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -107,6 +109,7 @@ def native_extractor(args: argparse.Namespace):
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ehs
 
     store = tempfile.mkdtemp(prefix="speccompat-native-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    atexit.register(shutil.rmtree, store, ignore_errors=True)
     aux_ids = [i + 1 for i in LAYER_IDS]
     llm = LLM(args.model_path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False,
               max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
