@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device side of the GPU evidence run (runs on the lent H200 from the repository copy).
+# Device side of the GPU evidence run (runs on the GPU machine, from a copy of the repository).
 #   device_run.sh install            install the staged vLLM, speccompat and speculators under /tmp
 #   device_run.sh test RUNNER [TP]   engine parity + silent-bug suites; RUNNER is v1 or v2 (default)
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare a CUDA vLLM release + speculators for the lent GPU machine (no network there, 64 MiB per
+# Prepare a CUDA vLLM release + speculators for an offline GPU machine (no network there, 64 MiB per
 # call). Run here:   scripts/gpu/stage.sh 0.24.0
 # then, back to back on the device (see docs/gpu.md): one `stage unitK` call per unit, then
 # `scripts/gpu/device_run.sh install` and the test/bench modes.
