@@ -306,8 +306,6 @@ class WorkerCapture:
             if rid not in done or done[rid] != want_len or want_len == 0:
                 raise HiddenStatesError(f"request {rid}: captured {done.get(rid, 0)} of {want_len} prompt tokens")
             lengths.append(want_len)
-        from . import transport
-
         t_verified = time.perf_counter()
         # Rows of all steps' tokens, in the order of req_ids and their chunks: one gather per layer,
         # straight into the buffer that travels to the driver (on CPU; from the device: one copy).
@@ -317,22 +315,18 @@ class WorkerCapture:
         states, buf = self.staging.allocate((len(self.layer_ids), len(index), first.shape[-1]), first.dtype,
                                             first.device)
         nonfinite = {}
-        try:
-            for i, layer_id in enumerate(self.layer_ids):
-                every = torch.cat([s.layers[layer_id] for s in self.steps], dim=0)
-                if every.device.type == "cpu":
-                    packed = torch.index_select(every, 0, index, out=buf[i])
-                else:
-                    packed = every.index_select(0, index.to(every.device))
-                if not all_finite(packed):  # on the device, before any copy
-                    bad = ~torch.isfinite(packed).all(dim=-1)
-                    nonfinite[layer_id] = (int(bad.nonzero()[0, 0]), int(bad.sum()))
-                if packed.data_ptr() != buf[i].data_ptr():
-                    buf[i].copy_(packed, non_blocking=True)
-            self.staging.ready()
-        except BaseException:
-            transport.discard(states)
-            raise
+        for i, layer_id in enumerate(self.layer_ids):
+            every = torch.cat([s.layers[layer_id] for s in self.steps], dim=0)
+            if every.device.type == "cpu":
+                packed = torch.index_select(every, 0, index, out=buf[i])
+            else:
+                packed = every.index_select(0, index.to(every.device))
+            if not all_finite(packed):  # on the device, before any copy
+                bad = ~torch.isfinite(packed).all(dim=-1)
+                nonfinite[layer_id] = (int(bad.nonzero()[0, 0]), int(bad.sum()))
+            if packed.data_ptr() != buf[i].data_ptr():
+                buf[i].copy_(packed, non_blocking=True)
+        self.staging.ready()  # the staging file is reused: nothing to discard if this fails
         t_gathered = time.perf_counter()
         stats = {
             "steps": len(self.steps),

@@ -239,7 +239,7 @@ def generate(evidence_dir: Any) -> Matrix:
         # Per (speculators, vLLM, model, runner, TP) the latest run counts (files in date, name order).
         latest: dict[tuple, tuple[str, dict[str, str]]] = {}
         folder = evidence_dir / sub
-        runs = [(json.loads(f.read_text()), f) for f in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+        runs = [(json.loads(f.read_text()), f) for f in folder.glob("*.json")] if folder.is_dir() else []
         for run, f in sorted(runs, key=lambda rf: (rf[0]["date"], rf[1].name)):
             if not run.get("applied", True):  # a control run without speccompat proves nothing
                 continue

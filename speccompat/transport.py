@@ -48,12 +48,6 @@ def _shm_has_room(nbytes: int) -> bool:
     return st.f_bavail * st.f_frsize > 2 * nbytes + (256 << 20)
 
 
-def _itemsize(dtype: Any) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _numel(shape: tuple[int, ...] | list[int]) -> int:
     numel = 1
     for d in shape:
@@ -65,6 +59,29 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _new_file(suffix: str, numel: int, dtype: Any) -> tuple[str, Any]:
+    """A new shared-memory file of ``numel`` elements and its mapping (a flat tensor)."""
+    import torch
+
+    fd, path = tempfile.mkstemp(prefix="speccompat-", suffix=suffix, dir=_SHM)
+    os.close(fd)
+    try:
+        return path, torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    except BaseException:
+        os.unlink(path)
+        raise
+
+
+def _map_and_unlink(path: str, numel: int, dtype: Any) -> Any:
+    """Driver side: map a worker's file (a flat tensor) and remove its name; the mapping stays."""
+    import torch
+
+    try:
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    finally:
+        os.unlink(path)
+
+
 def allocate(shape: tuple[int, ...], dtype: Any) -> tuple[dict[str, Any], Any]:
     """Worker side: a CPU tensor to fill, and the small picklable dict that will carry it.
 
@@ -72,18 +89,12 @@ def allocate(shape: tuple[int, ...], dtype: Any) -> tuple[dict[str, Any], Any]:
     """
     import torch
 
-    nbytes = _numel(shape) * _itemsize(dtype)
+    nbytes = _numel(shape) * dtype.itemsize
     if nbytes <= INLINE_LIMIT or not _shm_has_room(nbytes):
         buf = torch.empty(shape, dtype=dtype)
         return {"inline": buf}, buf
-    fd, path = tempfile.mkstemp(prefix="speccompat-", suffix=".states", dir=_SHM)
-    os.close(fd)
-    try:
-        buf = torch.from_file(path, shared=True, size=_numel(shape), dtype=dtype).view(shape)
-    except BaseException:
-        os.unlink(path)
-        raise
-    return {"file": path, "shape": list(shape), "dtype": _dtype_name(dtype)}, buf
+    path, flat = _new_file(".states", _numel(shape), dtype)
+    return {"file": path, "shape": list(shape), "dtype": _dtype_name(dtype)}, flat.view(shape)
 
 
 def discard(desc: dict[str, Any]) -> None:
@@ -129,7 +140,7 @@ class Staging:
         import torch
 
         self.cuda = getattr(device, "type", device) == "cuda"
-        nbytes = _numel(shape) * _itemsize(dtype)
+        nbytes = _numel(shape) * dtype.itemsize
         if nbytes <= INLINE_LIMIT or (nbytes > self.capacity and not _shm_has_room(nbytes)):
             buf = torch.empty(shape, dtype=dtype)
             return {"inline": buf}, buf
@@ -155,13 +166,7 @@ class Staging:
         capacity = max(nbytes, self.capacity + self.capacity // 4)
         capacity = -(-capacity // _ROUND) * _ROUND
         self.release()
-        fd, path = tempfile.mkstemp(prefix="speccompat-", suffix=".staging", dir=_SHM)
-        os.close(fd)
-        try:
-            flat = torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
-        except BaseException:
-            os.unlink(path)
-            raise
+        path, flat = _new_file(".staging", capacity, torch.uint8)
         self.path, self.flat, self.capacity, self.id = path, flat, capacity, uuid.uuid4().hex
 
     def _pin(self) -> None:
@@ -204,21 +209,11 @@ def unpack(desc: dict[str, Any]) -> Any:
         return desc["inline"]
     dtype = getattr(torch, desc["dtype"])
     shape = desc["shape"]
-    nbytes = _numel(shape) * _itemsize(dtype)
-    if desc.get("staging"):
-        owner, sid = desc["owner"], desc["staging"]
-        known = _MAPPED.get(owner)
-        if known is None or known[0] != sid:
-            _MAPPED.pop(owner, None)  # the worker grew its file: drop the old mapping
-            path = desc["file"]
-            try:
-                flat = torch.from_file(path, shared=True, size=desc["capacity"], dtype=torch.uint8)
-            finally:
-                os.unlink(path)
-            known = _MAPPED[owner] = (sid, flat)
-        return known[1][:nbytes].view(dtype).view(shape)
-    path = desc["file"]
-    try:
-        return torch.from_file(path, shared=True, size=_numel(shape), dtype=dtype).view(shape)
-    finally:
-        os.unlink(path)  # the mapping outlives the name
+    if not desc.get("staging"):
+        return _map_and_unlink(desc["file"], _numel(shape), dtype).view(shape)
+    owner, sid = desc["owner"], desc["staging"]
+    known = _MAPPED.get(owner)
+    if known is None or known[0] != sid:
+        _MAPPED.pop(owner, None)  # the worker grew its file: drop the old mapping
+        known = _MAPPED[owner] = (sid, _map_and_unlink(desc["file"], desc["capacity"], torch.uint8))
+    return known[1][: _numel(shape) * dtype.itemsize].view(dtype).view(shape)

@@ -127,3 +127,14 @@ def test_staging_from_a_gpu_is_pinned_and_exact(monkeypatch):
             assert torch.equal(transport.unpack(desc), src.cpu())
     finally:
         staging.release()
+
+
+def test_staging_falls_back_to_inline_when_dev_shm_lacks_room(monkeypatch):
+    monkeypatch.setattr(transport, "_shm_has_room", lambda nbytes: False)
+    staging = transport.Staging()
+    layers = torch.randn(4, 5000, 256)
+    desc, buf = staging.allocate(tuple(layers.shape), layers.dtype, "cpu")
+    buf.copy_(layers)
+    staging.ready()
+    assert "inline" in desc and staging.path is None
+    assert torch.equal(transport.unpack(desc), layers)

@@ -47,8 +47,6 @@ def mla_runs_here() -> bool:
 
 def skip_unless_model_runs(kind: str) -> None:
     if kind == "deepseek_v3" and not mla_runs_here():
-        import pytest
-
         pytest.skip(MLA_CPU_REASON)
 
 
