@@ -19,7 +19,6 @@ import bisect
 import itertools
 import logging
 import operator
-import os
 import sys
 import time
 from typing import Any
@@ -219,18 +218,9 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
 def copy_out(parts: Any) -> list[list[Any]]:
     """One owned tensor per sequence and layer, from per-sequence views [layers, n, hidden].
 
-    The copies run on a few threads (torch releases the GIL): one thread copies ~4 GB/s, mostly
-    page faults of the new memory, which the driver would otherwise pay alone."""
-    def own(part: Any) -> list[Any]:
-        return [layer.clone() for layer in part]
-
-    workers = min(8, os.cpu_count() or 1, len(parts))
-    if workers < 2:
-        return [own(p) for p in parts]
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="speccompat-copy") as pool:
-        return list(pool.map(own, parts))
+    One thread: torch already spreads each large copy over its intra-op threads; Python threads on
+    top made the copy-out 4x slower on 2 cores (``benchmarks/device_copy.py``, driver_copy_out)."""
+    return [[layer.clone() for layer in part] for part in parts]
 
 
 def _abort(mod: Any, scheduler: Any, req_ids: list[str]) -> None:
