@@ -11,7 +11,11 @@ For one batch of captured states on the device ([layers, tokens, hidden] bf16, 1
   d2h_staging     speccompat.transport.Staging: the worker's reused file (pinned on a GPU), steady state
   driver_clone    driver side, one thread: map, split, one clone per sequence and layer
   driver_block    driver side: map, one [layers, n, hidden] copy per sequence (shares storage: not used)
-  driver_copy_out driver side as in the generator: map, clones per sequence and layer on a few threads
+  driver_copy_out driver side as in the generator (speccompat.generator.copy_out), torch's threads
+  driver_copy_out_t1_loop   the same with torch on one thread (as vLLM leaves the driver on GPU hosts),
+                  one Python thread
+  driver_copy_out_t1        the same with torch on one thread, copy_out's choice (a pool of Python
+                  threads where cores allow)
 
     python benchmarks/device_copy.py [--tokens 132000] [--hidden 1024] [--layers 4] [--out F]
 """
@@ -95,15 +99,24 @@ def main() -> int:
         staging.ready()
         transport.unpack(desc)
 
-    def copy_out() -> float:
-        from speccompat.generator import copy_out
+    def copy_out(torch_threads: int = 0, pool: bool = True):
+        from speccompat import generator
 
-        desc, buf = staging.allocate(tuple(packed.shape), packed.dtype, packed.device)
-        buf.copy_(packed, non_blocking=True)
-        staging.ready()
-        t = time.perf_counter()
-        kept = copy_out(torch.split(transport.unpack(desc), lengths, dim=1))  # noqa: F841 - kept while timed
-        return time.perf_counter() - t
+        def run() -> float:
+            desc, buf = staging.allocate(tuple(packed.shape), packed.dtype, packed.device)
+            buf.copy_(packed, non_blocking=True)
+            staging.ready()
+            before = torch.get_num_threads()
+            if torch_threads:
+                torch.set_num_threads(torch_threads)
+            try:
+                parts = torch.split(transport.unpack(desc), lengths, dim=1)
+                t = time.perf_counter()
+                kept = generator.copy_out(parts) if pool else generator._clone_all(list(parts))  # noqa: F841
+                return time.perf_counter() - t
+            finally:
+                torch.set_num_threads(before)
+        return run
 
     def driver(block: bool):
         def run() -> None:
@@ -124,7 +137,9 @@ def main() -> int:
 
     cases = {"gather": gather, "d2h_fresh": d2h(), "d2h_fallocated": d2h(populate=True),
              "d2h_registered": d2h(register=True), "d2h_pinned": pinned, "d2h_staging": d2h_staging,
-             "driver_clone": driver(block=False), "driver_block": driver(block=True), "driver_copy_out": copy_out}
+             "driver_clone": driver(block=False), "driver_block": driver(block=True), "driver_copy_out": copy_out(),
+             # the driver as vLLM's multiprocessing executor leaves it on GPU hosts: torch on one thread
+             "driver_copy_out_t1_loop": copy_out(1, pool=False), "driver_copy_out_t1": copy_out(1)}
     result = {"command": "python " + " ".join(["benchmarks/device_copy.py", *sys.argv[1:]]),
               "date": time.strftime("%Y-%m-%d"),
               "device": torch.cuda.get_device_name(0) if dev == "cuda" else f"cpu ({os.cpu_count()} cores)",

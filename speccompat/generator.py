@@ -19,6 +19,7 @@ import bisect
 import itertools
 import logging
 import operator
+import os
 import sys
 import time
 from typing import Any
@@ -218,8 +219,41 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
 def copy_out(parts: Any) -> list[list[Any]]:
     """One owned tensor per sequence and layer, from per-sequence views [layers, n, hidden].
 
-    One thread: torch already spreads each large copy over its intra-op threads; Python threads on
-    top made the copy-out 4x slower on 2 cores (``benchmarks/device_copy.py``, driver_copy_out)."""
+    Where torch has several intra-op threads it spreads each large copy over them, and one Python
+    thread is best (a pool on top made the copy-out 4x slower on 2 cores). On GPU hosts vLLM's
+    multiprocessing executor sets the driver's torch to one thread (``set_multiprocessing_worker_envs``)
+    and the copy-out then ran at 4.4 GB/s on an H200 host; there the sequences are split over a few
+    Python threads (``clone`` releases the GIL). ``benchmarks/device_copy.py``: driver_copy_out*."""
+    parts = list(parts)
+    threads = copy_threads(parts)
+    if threads <= 1:
+        return _clone_all(parts)
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = -(-len(parts) // threads)
+    chunks = [parts[i : i + size] for i in range(0, len(parts), size)]
+    with ThreadPoolExecutor(len(chunks), thread_name_prefix="speccompat-copy") as pool:
+        return [item for chunk in pool.map(_clone_all, chunks) for item in chunk]
+
+
+#: Below this many bytes a thread pool costs more than it saves.
+_THREADED_COPY_BYTES = 64 << 20
+
+
+def copy_threads(parts: list[Any]) -> int:
+    """Python threads for :func:`copy_out`: 1 unless torch runs single-threaded on a host with cores to spare."""
+    import torch
+
+    if torch.get_num_threads() > 1 or len(parts) < 2:
+        return 1
+    nbytes = sum(t.numel() * t.element_size() for t in parts)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nbytes < _THREADED_COPY_BYTES or cores < 4:
+        return 1
+    return min(8, cores, len(parts))
+
+
+def _clone_all(parts: list[Any]) -> list[list[Any]]:
     return [[layer.clone() for layer in part] for part in parts]
 
 

@@ -93,9 +93,13 @@ def test_staging_release_removes_an_unmapped_file_and_discard_keeps_it(monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_copy_out_gives_each_sequence_and_layer_its_own_memory():
+@pytest.mark.parametrize("threads", [1, 3])
+def test_copy_out_gives_each_sequence_and_layer_its_own_memory(monkeypatch, threads):
+    from speccompat import generator
     from speccompat.generator import copy_out
 
+    calls = []
+    monkeypatch.setattr(generator, "copy_threads", lambda parts: calls.append(len(parts)) or threads)
     states = torch.randn(4, 1000, 64)
     lengths = [100, 1, 899]
     hidden = copy_out(torch.split(states, lengths, dim=1))
@@ -109,6 +113,22 @@ def test_copy_out_gives_each_sequence_and_layer_its_own_memory():
         for layer, t in enumerate(h):
             assert t.shape == (n, 64) and torch.equal(t, states[layer, off:off + n])
         off += n
+    assert calls == [3]  # one decision per call, in input order after the split over threads
+
+
+def test_copy_threads_only_where_torch_runs_single_threaded(monkeypatch):
+    from speccompat import generator
+
+    big = list(torch.empty(4, 32 << 20, dtype=torch.uint8).split([2 << 20] * 16, dim=1))  # 128 MiB, untouched
+    small = list(torch.empty(4, 1 << 20, dtype=torch.uint8).split([1 << 16] * 16, dim=1))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert generator.copy_threads(big) == 1  # torch spreads each copy itself
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # as vLLM leaves the driver on GPU hosts
+    assert generator.copy_threads(big) == 8
+    assert generator.copy_threads(small) == 1  # 4 MiB: not worth a pool
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert generator.copy_threads(big) == 1  # no cores to spare
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning the staging file needs a CUDA device")
