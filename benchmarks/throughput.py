@@ -5,6 +5,8 @@ Modes (each runs in its own fresh process, one after the other, engine start-up 
   generator  speculators' VllmHiddenStatesGenerator under speccompat (this project)
   plain      vLLM's own prefill: LLM.generate(max_tokens=1), prefix caching off - the physical
              limit for this job (one prefill pass; no hidden states leave the engine)
+  plain-sync the same with async scheduling off (the generator's engine loop is synchronous: it
+             schedules the next step only after the previous one's output came back)
   original   speculators' own generate()/capture with only speccompat's name adapters (what the
              unpatched code would do if it ran; --sequences-per-call must stay <= 32 for it)
   native     vLLM's own `extract_hidden_states` speculative method + ExampleHiddenStatesConnector
@@ -46,12 +48,13 @@ def run_mode(args: argparse.Namespace) -> dict:
     """Child: build one engine, time each workload (all its sequences), report."""
     workloads = json.loads(Path(args.inputs).read_text())
     t0 = time.perf_counter()
-    if args.mode == "plain":
+    if args.mode in ("plain", "plain-sync"):
         from vllm import LLM, SamplingParams
 
+        sync = {"async_scheduling": False} if args.mode == "plain-sync" else {}
         llm = LLM(args.model_path, enforce_eager=True, enable_prefix_caching=False, max_model_len=args.max_model_len,
                   gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=32,
-                  max_num_batched_tokens=max(8192, args.max_model_len), tensor_parallel_size=args.tp)
+                  max_num_batched_tokens=max(8192, args.max_model_len), tensor_parallel_size=args.tp, **sync)
         params = SamplingParams(max_tokens=1, temperature=0.0)
 
         def extract(batch):
@@ -185,7 +188,7 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--modes", nargs="+", default=["generator", "plain"], choices=["generator", "plain", "original", "native"])
+    ap.add_argument("--modes", nargs="+", default=["generator", "plain"], choices=["generator", "plain", "plain-sync", "original", "native"])
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
     ap.add_argument("--sweep", action="store_true", help="also measure scaling with batch size and length")
     ap.add_argument("--out", help="write the JSON result here too")
@@ -252,7 +255,7 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     for w in workloads:
         g = tps("generator", w["name"])
         ratios[w["name"]] = {f"generator/{other}": round(g / t, 3) if g and t else None
-                             for other in ("plain", "original", "native") for t in [tps(other, w["name"])]}
+                             for other in ("plain", "plain-sync", "original", "native") for t in [tps(other, w["name"])]}
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
