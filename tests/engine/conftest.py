@@ -96,7 +96,7 @@ class EnginePool:
             list(layer_ids),
             speculators_path=ENGINE_ENV["speculators"][speculators],
             apply=apply,
-            env=env,
+            env={**ENGINE_ENV.get("engine_env", {}), **(env or {})},  # e.g. LD_PRELOAD (scripts/mkenv.py)
             log_path=self.root / "logs" / f"{self.count:02d}-{speculators}-{kind}.log",
             **config,
         )
@@ -169,6 +169,7 @@ def pytest_sessionfinish(session, exitstatus):
         "runner": TEST_RUNNER,
         "date": datetime.date.today().isoformat(),
         "applied": not NO_APPLY,
+        **({"engine_env": ENGINE_ENV["engine_env"]} if ENGINE_ENV.get("engine_env") else {}),
         "cells": EVIDENCE,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
