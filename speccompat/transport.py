@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import tempfile
 import uuid
@@ -46,13 +47,6 @@ def _shm_has_room(nbytes: int) -> bool:
         return False
     st = os.statvfs(_SHM)
     return st.f_bavail * st.f_frsize > 2 * nbytes + (256 << 20)
-
-
-def _numel(shape: tuple[int, ...] | list[int]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return numel
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -89,11 +83,11 @@ def allocate(shape: tuple[int, ...], dtype: Any) -> tuple[dict[str, Any], Any]:
     """
     import torch
 
-    nbytes = _numel(shape) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes <= INLINE_LIMIT or not _shm_has_room(nbytes):
         buf = torch.empty(shape, dtype=dtype)
         return {"inline": buf}, buf
-    path, flat = _new_file(".states", _numel(shape), dtype)
+    path, flat = _new_file(".states", math.prod(shape), dtype)
     return {"file": path, "shape": list(shape), "dtype": _dtype_name(dtype)}, flat.view(shape)
 
 
@@ -140,7 +134,7 @@ class Staging:
         import torch
 
         self.cuda = getattr(device, "type", device) == "cuda"
-        nbytes = _numel(shape) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes <= INLINE_LIMIT or (nbytes > self.capacity and not _shm_has_room(nbytes)):
             buf = torch.empty(shape, dtype=dtype)
             return {"inline": buf}, buf
@@ -210,10 +204,10 @@ def unpack(desc: dict[str, Any]) -> Any:
     dtype = getattr(torch, desc["dtype"])
     shape = desc["shape"]
     if not desc.get("staging"):
-        return _map_and_unlink(desc["file"], _numel(shape), dtype).view(shape)
+        return _map_and_unlink(desc["file"], math.prod(shape), dtype).view(shape)
     owner, sid = desc["owner"], desc["staging"]
     known = _MAPPED.get(owner)
     if known is None or known[0] != sid:
         _MAPPED.pop(owner, None)  # the worker grew its file: drop the old mapping
         known = _MAPPED[owner] = (sid, _map_and_unlink(desc["file"], desc["capacity"], torch.uint8))
-    return known[1][: _numel(shape) * dtype.itemsize].view(dtype).view(shape)
+    return known[1][: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
