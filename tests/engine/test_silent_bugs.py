@@ -5,7 +5,6 @@ and, where the original code still runs, a control showing the same check fails 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from speccompat.testing.client import EngineError
 from speccompat.testing.parity import compare, measure, violations
@@ -94,6 +93,8 @@ def test_chunked_prefill_within_and_across_steps(engines, references):
 
 
 def test_repeated_calls_do_not_leak_state(engines):
+    import torch
+
     host = engines.get("0.4.0.1", "llama")
     a = mixed_sequences(5, seed=8, lo=20, hi=200)
     b = mixed_sequences(7, seed=9, lo=20, hi=200)
@@ -109,6 +110,8 @@ def test_repeated_calls_do_not_leak_state(engines):
 
 
 def test_last_layer_is_the_pre_norm_residual_stream(engines, references):
+    import torch
+
     seqs = mixed_sequences(3, seed=10, lo=20, hi=80)
     results = engines.get("0.4.0.1", "llama").generate(seqs)["results"]
     ref32, _ = references("llama")
