@@ -38,6 +38,16 @@ from _results import write  # benchmarks/_results.py
 
 LAYER_IDS = [0, 2, 4, 5]
 
+#: Named configurations: a checkpoint shape and workload measured on the H200 (docs/benchmarks.md).
+#: ``8b``: a Llama-3-8B-shaped random checkpoint (bf16, 13 GiB), 256 sequences of 256-768 tokens.
+CONFIGS = {
+    "8b": {
+        "set": ["hidden_size=4096", "intermediate_size=14336", "num_hidden_layers=32",
+                "num_attention_heads=32", "num_key_value_heads=8"],
+        "sequences": 256, "min_len": 256, "max_len": 768, "max_model_len": 2048, "gpu_memory_utilization": 0.5,
+    },
+}
+
 
 def sequences(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
     rng = random.Random(seed)
@@ -183,6 +193,8 @@ def spawn_mode(mode: str, args: argparse.Namespace, inputs: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", choices=sorted(CONFIGS), help="a named configuration (sets the checkpoint "
+                    "shape, workload and engine options below; explicit options still win)")
     ap.add_argument("--model", default="llama", help="tiny checkpoint kind (speccompat.testing.models)")
     ap.add_argument("--model-path", help="use this checkpoint instead of making a tiny one")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -201,6 +213,9 @@ def main() -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    chosen, _ = ap.parse_known_args()
+    if chosen.config:
+        ap.set_defaults(**CONFIGS[chosen.config])
     args = ap.parse_args()
     if args.child:
         args.mode = args.child
