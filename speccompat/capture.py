@@ -239,14 +239,14 @@ class WorkerCapture:
         self.collecting = collecting
 
     # -------------------------------------------------------------------------------- assembly
-    def collect(self, req_ids: list[str]) -> dict[str, Any] | None:
+    def collect(self, req_ids: list[str], busy: Any = ()) -> dict[str, Any] | None:
         """Verify and pack the states of ``req_ids`` (in that order). Only TP rank 0 answers."""
         try:
-            return self._collect(req_ids) if self.keep else None
+            return self._collect(req_ids, busy) if self.keep else None
         finally:
             self.reset(collecting=False)
 
-    def _collect(self, req_ids: list[str]) -> dict[str, Any]:
+    def _collect(self, req_ids: list[str], busy: Any = ()) -> dict[str, Any]:
         import time
 
         import numpy as np
@@ -313,7 +313,7 @@ class WorkerCapture:
             np.concatenate([np.arange(row, row + n) for rid in req_ids for row, n in chunks[rid]]))
         first = self.steps[0].layers[self.layer_ids[0]]
         states, buf = self.staging.allocate((len(self.layer_ids), len(index), first.shape[-1]), first.dtype,
-                                            first.device)
+                                            first.device, busy=busy)
         nonfinite = {}
         for i, layer_id in enumerate(self.layer_ids):
             every = torch.cat([s.layers[layer_id] for s in self.steps], dim=0)
@@ -375,14 +375,16 @@ def reset_capture(self: Any) -> None:
     cap.reset()
 
 
-def get_captured_states(self: Any, req_ids: list[str] | None = None) -> dict[str, Any] | None:
-    """Replacement for ``HiddenStatesWorkerExtension._get_captured_states``."""
+def get_captured_states(self: Any, req_ids: list[str] | None = None, busy: list[str] | None = None
+                        ) -> dict[str, Any] | None:
+    """Replacement for ``HiddenStatesWorkerExtension._get_captured_states``. ``busy``: staging files
+    the driver still holds views of (speccompat.transport.busy), which this reply must not overwrite."""
     cap = getattr(self, "_speccompat_capture", None)
     if cap is None:
         raise RuntimeError("Must call _setup_hidden_states_capture before capturing states")
     if req_ids is None:
         req_ids = list(dict.fromkeys(r for s in cap.steps for r in s.order or ()))
-    return cap.collect(list(req_ids))
+    return cap.collect(list(req_ids), busy or ())
 
 
 def worker_info(self: Any) -> dict[str, Any]:
