@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .probe import Mismatch, Symbol, _judge
+from .probe import Mismatch, Symbol, judge
 
 __all__ = ["check_static"]
 
@@ -505,7 +505,7 @@ def check_static(symbols: Iterable[Symbol], root: str | Path) -> list[Mismatch]:
         hit = resolve(sym, root)
         found = hit is not None
         params = _static_params(src, hit[0], hit[1]) if found else None
-        m = _judge(sym, found, params)
+        m = judge(sym, found, params)
         if m:
             out.append(m)
     return out

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from speccompat.probe import Symbol, check_live, check_static
+from speccompat.probe import Symbol, check_live
+from speccompat.static_probe import check_static
 from speccompat.registry import adapter_modules, all_adapters, by_version
 
 REPO = Path(__file__).resolve().parent.parent
