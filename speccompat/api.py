@@ -52,12 +52,24 @@ def _truthy(value: str | None) -> bool:
 
 class _FallbackHandler(logging.StreamHandler):
     """stderr, only while the application has configured no logging (the root logger has no
-    handler): then speccompat's INFO lines (what it armed, confirmed, patched) still show, and
-    they stop the moment the application installs its own handlers (no duplicates)."""
+    handler): then speccompat's INFO lines (what it armed, confirmed, patched) still show. The
+    moment the application installs a handler, this one falls silent and the level speccompat set
+    for it is dropped (see :class:`_StepAside`): the application's configuration decides."""
 
     def emit(self, record: logging.LogRecord) -> None:
         if not logging.getLogger().handlers:
             super().emit(record)
+
+
+class _StepAside(logging.Filter):
+    """On speccompat's logger while it carries the INFO level set for the fallback handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not logging.getLogger().handlers:
+            return True
+        logger.setLevel(logging.NOTSET)
+        logger.removeFilter(self)
+        return record.levelno >= logger.getEffectiveLevel()
 
 
 def _configure_logging() -> None:
@@ -70,6 +82,7 @@ def _configure_logging() -> None:
         logger.addHandler(handler)
         if not level and logger.level == logging.NOTSET:
             logger.setLevel(logging.INFO)
+            logger.addFilter(_StepAside())
 
 
 def supported_speculators() -> tuple[Version, Version]:
@@ -206,7 +219,13 @@ def _confirm() -> Adapter:
     """
     if STATE.adapter is not None:
         return STATE.adapter
-    cls = registry.by_name(STATE.expected) if STATE.expected else STATE.adapter_cls
+    cls = STATE.adapter_cls
+    if STATE.expected:
+        try:
+            cls = registry.by_name(STATE.expected)
+        except KeyError:
+            STATE.errors.append(f"the driver chose adapter {STATE.expected}, which this speccompat does not have")
+            STATE.expected = None
     mismatches = check_live(registry.fingerprint(cls).values())
     if not mismatches:
         how = "the driver's choice, confirmed by probe" if STATE.expected else "version, confirmed by probe"

@@ -404,6 +404,34 @@ def test_logs_reach_the_applications_handlers_or_stderr_when_it_has_none(tmp_pat
         assert armed_out == [] and len(armed_err) == 1 and armed_err[0].startswith("INFO speccompat [pid ")
 
 
+def test_logging_configured_after_apply_takes_over(tmp_path, py):
+    proc = py(prog("""
+        speccompat.apply()
+        import logging
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="APP %(levelname)s %(message)s")
+        import speculators.data_generation  # INFO lines: patched ..., confirmed ...
+        logging.getLogger("speccompat").warning("a warning")
+        """), path=world(tmp_path))
+    assert "armed:" in proc.stderr  # before the application configured logging: the fallback
+    assert "patched" not in proc.stderr and "patched" not in proc.stdout  # after: the app's WARNING level
+    assert proc.stdout.count("APP WARNING a warning") == 1
+
+
 def test_log_level_variable_quietens_speccompat(tmp_path, py):
     proc = py(prog("speccompat.apply()\n"), path=world(tmp_path), env={"SPECCOMPAT_LOG_LEVEL": "WARNING"})
     assert "armed:" not in proc.stderr
+
+
+@pytest.mark.parametrize("dropped", ["vllm.v1.core.sched.output:NewRequestData",
+                                     "vllm.v1.worker.gpu_input_batch:InputBatch.req_ids"])
+def test_a_renamed_worker_side_symbol_is_refused_before_any_engine_starts(tmp_path, py, dropped):
+    """What the capture reads in the workers is in the fingerprint: a vLLM that renamed it fails
+    when speculators imports vLLM in the driver, naming it, not in the middle of a run."""
+    proc = py(prog("""
+        speccompat.apply()
+        try:
+            import speculators.data_generation
+        except speccompat.DriftError as e:
+            print("DRIFT", e.symbol)
+        """), path=world(tmp_path, drop=(dropped,))).stdout
+    assert f"DRIFT {dropped}" in proc
