@@ -52,6 +52,16 @@ class Adapter(prev.Adapter):
             remove_when="never for speculators 0.3/0.4",
         ),
         Change(
+            vllm="0.12.0",
+            what="model runner V2 appears (vllm/v1/worker/gpu/model_runner.py, opt-in): no persistent "
+            "input_batch; prepare_inputs() builds an InputBatch per step (req_ids, input_ids) and "
+            "warm-up runs execute_model(..., dummy_run=True)",
+            breaks="speculators 0.4's capture reads model_runner.input_batch: AttributeError on V2",
+            how="worker side: watch_batch() records each step's InputBatch, batch_order() and "
+            "step_token_ids() read it, is_warm_up() skips dummy runs (V1 runners keep the 0.11 path)",
+            remove_when="n/a",
+        ),
+        Change(
             vllm="0.15.0",
             what="kimi_k25.py appears; in 0.15.x KimiK25ForConditionalGeneration.get_language_model() "
             "returns a bare DeepseekV2Model, from 0.16.0 a DeepseekV2ForCausalLM",
