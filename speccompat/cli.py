@@ -58,11 +58,11 @@ def _environment_speculators(version: str | None) -> str | None:
     no speculators is importable otherwise. Returns the version chosen, or None."""
     import importlib.util
 
-    from .demo import _use_speculators
+    from .demo import use_speculators
 
     if version is None and importlib.util.find_spec("speculators") is not None:
         return None
-    return _use_speculators(version)
+    return use_speculators(version)
 
 
 def _verdict(report: dict[str, Any], status: Any, import_speculators: bool) -> tuple[str, int]:
