@@ -156,7 +156,7 @@ def collect(*, model_path: str, info: ModelInfo, layer_ids: list[int], dtype: st
         "speccompat": {
             "state": st.get("state"),
             "adapter": st.get("adapter"),
-            "patches": sorted(p["id"] for p in st.get("patches", []) if p.get("state") == "applied"),
+            "patches": sorted(p["id"] for p in st.get("patches", []) if p.get("state") in ("applied", "pending")),
         },
         "hidden_states": {"layer_ids": list(layer_ids), "meaning": LAYER_MEANING, "dtype": dtype},
         "max_seq_len": max_seq_len,
