@@ -31,6 +31,8 @@ from typing import Any
 logger = logging.getLogger("extract_hidden_states")
 #: Per-layer statistics are logged for this many samples at the start of a run.
 STATS_SAMPLES = 3
+#: A progress line at most this often (and after the last batch).
+PROGRESS_EVERY_S = 30.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -187,7 +189,7 @@ def extract(args: argparse.Namespace) -> int:
     tokens = written = 0
     code = EXIT_OK
     writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
-    loop_start = time.monotonic()
+    loop_start = last_log = time.monotonic()
     try:
         for first in range(0, len(ds.todo), args.batch_size):
             batch = ds.todo[first:first + args.batch_size]
@@ -203,8 +205,11 @@ def extract(args: argparse.Namespace) -> int:
             writer.submit(jobs)  # returns at once unless --max-in-flight-gb of results wait for the disk
             written += len(jobs)
             tokens += sum(j.sample.num_tokens for j in jobs)
-            elapsed = time.monotonic() - loop_start
-            logger.info("progress: %d/%d samples, %.0f tokens/s", first + len(batch), len(ds.todo), tokens / elapsed)
+            now = time.monotonic()
+            if now - last_log >= PROGRESS_EVERY_S or first + len(batch) == len(ds.todo):
+                last_log = now
+                logger.info("progress: %d/%d samples, %.0f tokens/s", first + len(batch), len(ds.todo),
+                            tokens / (now - loop_start))
         writer.close()
     except WriterFailed as exc:
         logger.error("%s", exc)
