@@ -425,6 +425,20 @@ def test_layer_id_defaults_are_checked_against_the_model(tmp_path):
     check_generator_layer_ids(str(kimi), None)  # text_config: 61 layers, default fine
 
 
+def test_the_generator_patch_rejects_a_colliding_default_before_speculators_init_runs(tmp_path):
+    from speccompat.generator import wrap_init
+
+    model = model_dir(tmp_path)  # 6 layers: speculators' default would be [2, 3, 3, 5]
+    called = []
+    with pytest.raises(ValueError, match=r"\[2, 3, 3, 5\]"):
+        wrap_init(lambda *a, **k: called.append(1), None, (str(model),), {})
+    with pytest.raises(ValueError, match=r"\[2, 3, 3, 5\]"):
+        wrap_init(lambda *a, **k: called.append(1), None, (), {"model_path": str(model), "layer_ids": None})
+    assert called == []
+    wrap_init(lambda *a, **k: called.append(1), None, (str(model), [1, 2, 4, 5]), {})
+    assert called == [1]
+
+
 def test_importing_the_package_imports_neither_torch_nor_safetensors():
     code = ("import sys, speccompat, speccompat.dataset, speccompat.dataset.verify, speccompat.cli;"
             "from speccompat.dataset import store, writer, inputs;"

@@ -149,7 +149,13 @@ def extract(args: argparse.Namespace) -> int:
     from speccompat.dataset.fsutil import human
     from speccompat.layers import LayerIdsError, resolve_layer_ids
 
+    import speccompat
+
     started = time.monotonic()
+    status = speccompat.apply()  # cheap: imports neither torch nor vLLM
+    if status.state not in ("armed", "active"):
+        raise Rejected(f"speccompat could not adapt this installation ({status.state}): "
+                       + "; ".join(status.warnings + status.errors))
     info = read_model_info(args.model_path)
     try:
         layer_ids = resolve_layer_ids(args.layer_ids, info.num_layers)
@@ -158,13 +164,6 @@ def extract(args: argparse.Namespace) -> int:
     scan = scan_jsonl(args.prepared_data, vocab_size=info.vocab_size, max_seq_len=args.max_seq_len,
                       on_bad=args.on_bad_line, on_long=args.on_long_line, limit=args.limit)
     report_scan(scan, args.max_seq_len)
-
-    import speccompat
-
-    status = speccompat.apply()
-    if status.state not in ("armed", "active"):
-        raise Rejected(f"speccompat could not adapt this installation ({status.state}): "
-                       + "; ".join(status.warnings + status.errors))
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=layer_ids, dtype=args.dtype,
                               max_seq_len=args.max_seq_len, on_long_line=args.on_long_line,
                               tensor_parallel_size=args.tp_size, layout=args.format, status=status)
@@ -225,7 +224,11 @@ def extract(args: argparse.Namespace) -> int:
         stop_generator(gen)
     loop_s = max(time.monotonic() - loop_start, 1e-9)
     if code == EXIT_OK:
-        ds.finish(args.token_freq_path)
+        try:
+            ds.finish(args.token_freq_path)
+        except OSError as exc:
+            logger.error("cannot write the data set's side files in %s: %s; re-run to finish", args.output_dir, exc)
+            code = EXIT_FAILED
     logger.info("summary: %d written, %d already done (skipped), %d failed; %d tokens in %.1f s (engine start "
                 "%.1f s, extraction %.1f s: %.0f tokens/s); %s written to %s (engine waited %.2f s for the writer)",
                 stats.files, ds.done, len(failed), tokens, time.monotonic() - started, engine_s, loop_s,

@@ -24,6 +24,15 @@ from packaging.version import Version
 
 from .fsutil import write_atomic
 
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    try:
+        if path.read_bytes() == data:
+            return
+    except FileNotFoundError:
+        pass
+    write_atomic(path, data)
+
 __all__ = ["default_token_freq_path", "write_side_files"]
 
 
@@ -72,8 +81,8 @@ def write_side_files(ds: Any, token_freq_path: Path | None = None) -> None:
     if Version(spec) >= Version("0.4.0"):
         lengths = {e["file"].removeprefix("data_").removesuffix(".pt"): e["num_tokens"] for e in entries}
         lengths = dict(sorted(lengths.items(), key=lambda kv: int(kv[0])))
-        write_atomic(ds.out_dir / "sample_lengths.json", json.dumps(lengths, indent=2).encode())
-    write_atomic(ds.out_dir / "data_config.json", json.dumps(_data_config(ds), indent=2).encode())
+        _write_if_changed(ds.out_dir / "sample_lengths.json", json.dumps(lengths, indent=2).encode())
+    _write_if_changed(ds.out_dir / "data_config.json", json.dumps(_data_config(ds), indent=2).encode())
     freq: Counter[int] = Counter()
     for s in ds.samples:
         mask = s.loss_mask if s.loss_mask is not None else None
@@ -81,4 +90,4 @@ def write_side_files(ds: Any, token_freq_path: Path | None = None) -> None:
     buf = io.BytesIO()
     torch.save(dict(freq), buf)
     path = Path(token_freq_path) if token_freq_path is not None else default_token_freq_path(ds.out_dir)
-    write_atomic(path, buf.getvalue())
+    _write_if_changed(path, buf.getvalue())

@@ -212,7 +212,10 @@ def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any
     for f, e in list(manifest.entries.items()):
         if e["id"] not in ids and not (out_dir / f).exists():
             del manifest.entries[f]
-    manifest.rewrite()
+    try:
+        manifest.rewrite()
+    except OSError as exc:
+        raise Rejected(f"cannot write {manifest.path}: {exc.strerror}") from None
 
     todo = [s for s in samples if s.id not in done_ids]
     per = DTYPES[dtype][0]
