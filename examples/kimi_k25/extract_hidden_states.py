@@ -135,6 +135,7 @@ def log_layer_stats(sample: Any, layer_ids: list[int], states: list[Any]) -> Non
 
 
 def extract(args: argparse.Namespace) -> int:
+    import speccompat
     from speccompat.dataset import (
         EXIT_FAILED,
         EXIT_OK,
@@ -148,8 +149,6 @@ def extract(args: argparse.Namespace) -> int:
     )
     from speccompat.dataset.fsutil import human
     from speccompat.layers import LayerIdsError, resolve_layer_ids
-
-    import speccompat
 
     started = time.monotonic()
     status = speccompat.apply()  # cheap: imports neither torch nor vLLM
