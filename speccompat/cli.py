@@ -1,4 +1,5 @@
-"""Command line: ``speccompat doctor`` (also ``python -m speccompat``) and ``speccompat demo``."""
+"""Command line: ``speccompat doctor`` (also ``python -m speccompat``), ``speccompat demo`` and
+``speccompat verify DIR`` (a data set; speccompat.dataset.verify)."""
 
 from __future__ import annotations
 
@@ -202,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--workdir", default=".speccompat-demo")
     demo.add_argument("--sequences", type=int, default=40)
     demo.add_argument("--speculators", help="speculators version of a scripts/mkenv.py environment")
+    from .dataset import verify as _verify
+
+    _verify.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd in (None, "doctor"):
         as_json = getattr(args, "json", False)
@@ -217,5 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args.model, args.workdir, args.sequences, args.speculators)
+    if args.cmd == "verify":
+        return _verify.main(args)
     ap.print_help()
     return 2

@@ -272,23 +272,13 @@ def _abort(mod: Any, scheduler: Any, req_ids: list[str]) -> None:
 
 
 def wrap_init(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> None:
-    """wrapt wrapper of ``__init__``: reject bad layer ids before any engine starts."""
-    names = ("model_path", "layer_ids")
-    bound = dict(zip(names, args, strict=False))
+    """wrapt wrapper of ``__init__``: reject bad layer ids (explicit or speculators' default for this
+    model) before any engine starts (``speccompat.layers``)."""
+    from .layers import check_generator_layer_ids
+
+    bound = dict(zip(("model_path", "layer_ids"), args, strict=False))
     bound.update(kwargs)
-    layer_ids = bound.get("layer_ids")
-    if layer_ids is not None:
-        if isinstance(layer_ids, (str, bytes)) or not hasattr(layer_ids, "__iter__"):
-            raise TypeError(f"layer_ids must be a list of ints, got {type(layer_ids).__name__}")
-        layer_ids = list(layer_ids)
-        bad = [x for x in layer_ids if isinstance(x, bool) or not isinstance(x, int)]
-        if bad:
-            raise TypeError(f"layer_ids must be ints, got {bad}")
-        dup = sorted({x for x in layer_ids if layer_ids.count(x) > 1})
-        if dup:
-            raise ValueError(f"duplicate layer ids {dup} in {layer_ids}")
-        if not layer_ids:
-            raise ValueError("layer_ids is empty")
+    check_generator_layer_ids(bound.get("model_path"), bound.get("layer_ids"))
     return wrapped(*args, **kwargs)
 
 

@@ -14,7 +14,9 @@ the character span of every assistant turn; the text is tokenized span by span (
 Kimi's tiktoken one have no offset mapping). Templates whose rendering of a prefix is not a prefix
 of the whole (some drop earlier reasoning) cannot be split this way: such lines are reported.
 
-Lines without ``id`` get ``<input stem>-<line number>``. The output is written to a temporary
+Lines without ``id`` get ``<input stem>-<line number>``. Ids are written as strings; two lines whose
+ids print alike (``1`` and ``"1"``) are duplicates and reported. ``loss_mask`` holds the integers
+0 and 1 only. The output is written to a temporary
 file and renamed into place at the end, so a killed run never leaves a half-written output.
 
     python prepare_data.py --model-path /models/Kimi-K2.5 --trust-remote-code \
@@ -48,11 +50,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Jinja chat template file (default: the tokenizer's own)")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="allow the tokenizer's own code (needed for Kimi-K2.5)")
-    ap.add_argument("--limit", type=int, default=None, help="stop after N written samples")
+    ap.add_argument("--limit", type=_positive_int, default=None, help="stop after N written samples")
     ap.add_argument("--on-bad-line", choices=("skip", "fail"), default="fail",
                     help="unusable lines: skip them with a warning, or stop (nothing written)")
     ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO")
     return ap.parse_args(argv)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def load_tokenizer(args: argparse.Namespace) -> Any:
@@ -126,7 +138,7 @@ def check_messages(messages: Any) -> None:
 def convert_line(tok: Any, raw: bytes, default_id: str) -> dict[str, Any]:
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:  # also UnicodeDecodeError and over-long integers
         raise BadLine(f"bad JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise BadLine(f"expected a JSON object, got {type(obj).__name__}")
@@ -149,6 +161,7 @@ def convert(args: argparse.Namespace, tok: Any) -> tuple[int, int, list[str]]:
     tmp = args.output.with_name(args.output.name + f".{os.getpid()}.partial")
     written = tokens = 0
     problems: list[str] = []
+    first_line_of: dict[str, int] = {}  # ids as written: 1 and "1" are the same id
     args.output.parent.mkdir(parents=True, exist_ok=True)
     try:
         with open(args.input, "rb") as src, open(tmp, "w") as dst:
@@ -159,6 +172,10 @@ def convert(args: argparse.Namespace, tok: Any) -> tuple[int, int, list[str]]:
                     continue
                 try:
                     rec = convert_line(tok, raw, f"{args.input.stem}-{lineno}")
+                    if rec["id"] in first_line_of:
+                        raise BadLine(f"duplicate id {rec['id']!r} (first on line {first_line_of[rec['id']]}; "
+                                      "ids that print alike are the same id)")
+                    first_line_of[rec["id"]] = lineno
                 except BadLine as exc:
                     problems.append(f"{args.input} line {lineno}: {exc}")
                     if args.on_bad_line == "fail":

@@ -1,19 +1,21 @@
-"""The Kimi-K2.5 example pipeline (examples/kimi_k25) end to end on the real CPU engine, with the
-tiny DeepseekV3 checkpoint (Kimi-K2.5's text architecture; for the shared run with a tokenizer that
-is remote code, as Kimi-K2.5's): prepare_data.py, then extract_hidden_states.py as a subprocess,
-its files checked against transformers; corrupt and over-long input lines; a SIGKILL in the middle
-of a run and the resume; a re-run with nothing to do.
+"""The example pipeline (examples/kimi_k25) end to end on the real CPU engine, with the tiny
+DeepseekV3 checkpoint (Kimi-K2.5's text architecture, with a tokenizer that is remote code as
+Kimi-K2.5's): prepare_data.py, then extract_hidden_states.py as a subprocess.
 
-Three engine start-ups in all (the shared run, the killed run, its resume)."""
+Six engine start-ups in all: the shared run (mixed input, bad lines skipped, hostile ids, files
+checked against transformers, then every refusal that must come before an engine: bad lines, a
+changed model, a changed loss_mask, a colliding default of layer ids, unusable output dirs; and
+``speccompat verify`` on planted problems), a run that fills its disk (a small tmpfs) mid-run, its
+resume (with a same-size corruption planted in a finished file; the result is byte-identical to
+the uninterrupted run), a run killed with SIGKILL and its resume (byte-identical too), and a
+``--format speculators`` run read by speculators' own loaders."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -34,39 +36,45 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "kimi_k25"
+#: The example's stand-in model kind (one constant: a Kimi-K2.5 kind can replace it).
+STAND_IN = "deepseek_v3"
 LAYER_IDS = [1, 2, 4, 5]  # includes the last layer of the 6-layer tiny model
 HIDDEN = 256
 MAX_SEQ_LEN = 256
 TIMEOUT = 900
-#: The tiny DeepseekV3 with all 8 routed experts active for every token: MLA and the MoE layers run
-#: as usual, but no token can switch experts on bf16 noise. On the stock recipe ~1% of tokens per
-#: MoE layer sit on a router near-tie (top-2 margin < 1e-3); one such flip in a short sequence
-#: exceeds the per-case parity thresholds although the driver wrote exactly what the engine computed
-#: (engine numerics are test_parity's subject; this file checks the driver's plumbing).
+#: The tiny DeepseekV3 with all 8 routed experts active for every token: no token can switch
+#: experts on bf16 noise (see test_parity), so the driver's files compare tightly with transformers.
 NO_FLIPS = {"num_experts_per_tok": 8}
-LOCK = ".extract_hidden_states.lock"
+EPOCH = "1700000000"  # SOURCE_DATE_EPOCH: the provenance's date, so that runs compare byte for byte
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": ENGINE_ENV["speculators"]["0.4.0.1"]}
+def _env(speculators: str = "0.4.0.1") -> dict[str, str]:
+    return {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": ENGINE_ENV["speculators"][speculators],
+            "SOURCE_DATE_EPOCH": EPOCH}
 
 
-def driver_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+def driver_args(model: Path, data: Path, out: Path, *extra: str, layers: bool = True) -> list[str]:
     return [
         sys.executable, str(EXAMPLE / "extract_hidden_states.py"),
         "--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
-        "--layer-ids", *map(str, LAYER_IDS), "--max-seq-len", str(MAX_SEQ_LEN), "--batch-size", "2",
-        "--tp-size", "1", "--gpu-memory-utilization", "0.1", *extra,
+        *(["--layer-ids", *map(str, LAYER_IDS)] if layers else []), "--max-seq-len", str(MAX_SEQ_LEN),
+        "--batch-size", "2", "--tp-size", "1", "--gpu-memory-utilization", "0.1", *extra,
     ]
 
 
-def run_driver(model: Path, data: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    """Run the driver to its end; its output is also kept in ``driver-<n>.log`` beside ``out``."""
-    proc = subprocess.run(driver_args(model, data, out, *extra), capture_output=True, text=True,
-                          env=_env(), timeout=TIMEOUT, cwd=REPO)
-    n = len(list(out.parent.glob("driver-*.log")))
-    (out.parent / f"driver-{n}.log").write_text(f"{proc.args}\nexit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+def run_driver(model: Path, data: Path, out: Path, *extra: str, layers: bool = True,
+               speculators: str = "0.4.0.1") -> subprocess.CompletedProcess:
+    """Run the driver to its end; its output is also kept in ``driver-<n>.log`` beside ``data``."""
+    proc = subprocess.run(driver_args(model, data, out, *extra, layers=layers), capture_output=True, text=True,
+                          env=_env(speculators), timeout=TIMEOUT, cwd=REPO)
+    n = len(list(data.parent.glob("driver-*.log")))
+    (data.parent / f"driver-{n}.log").write_text(f"{proc.args}\nexit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def verify(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "speccompat", "verify", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
 
 
 #: Kimi-K2.5's tokenizer is code shipped with the model (``TikTokenTokenizer``, no tokenizer.json);
@@ -126,75 +134,47 @@ def write_jsonl(path: Path, lines: list[str]) -> Path:
     return path
 
 
+def manifest(out: Path) -> tuple[dict, dict[str, dict]]:
+    """(header, id -> entry) of a data set."""
+    lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    return lines[0], {e["id"]: e for e in lines[1:]}
+
+
 def load_sample(path: Path) -> tuple[dict, dict]:
-    """(tensors, metadata) of one sample file; raises if it is not a complete safetensors file."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
-def check_sample(path: Path, input_ids: list[int], loss_mask: list[int] | None = None) -> dict:
-    tensors, meta = load_sample(path)
-    expected = {"input_ids", *(f"hidden_states_{i}" for i in LAYER_IDS), *(["loss_mask"] if loss_mask else [])}
-    assert set(tensors) == expected, path.name
-    assert tensors["input_ids"].tolist() == input_ids, path.name
-    if loss_mask:
-        assert tensors["loss_mask"].tolist() == loss_mask, path.name
-    for i in LAYER_IDS:
-        h = tensors[f"hidden_states_{i}"]
-        assert tuple(h.shape) == (len(input_ids), HIDDEN) and str(h.dtype) == "torch.bfloat16", path.name
-    assert json.loads(meta["sample"])["layer_ids"] == LAYER_IDS
-    return tensors
-
-
-def read_index(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
-
-
-def check_index(out: Path, ids: set[str]) -> None:
-    """One index entry per sample, exactly, each matching its file's size and sha256."""
-    entries = read_index(out)
-    assert sorted(e["id"] for e in entries) == sorted(ids)
-    for e in entries:
-        data = (out / e["file"]).read_bytes()
-        assert e["bytes"] == len(data) and e["sha256"] == hashlib.sha256(data).hexdigest(), e["file"]
-        assert e["layer_ids"] == LAYER_IDS
-
-
 def snapshot(out: Path) -> dict[str, tuple]:
-    """Every data file of ``out`` (not the lock file) with (inode, mtime_ns, size)."""
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_size) for p in out.iterdir()
-            if p.name != LOCK}
+            if not p.name.endswith(".lock")}
 
 
 def parity(samples: list[tuple[list[int], dict]], references) -> list[str]:
-    ref32, ref16 = references("deepseek_v3", **NO_FLIPS)
+    ref32, ref16 = references(STAND_IN, **NO_FLIPS)
     results = [{"hidden_states": [t[f"hidden_states_{i}"] for i in LAYER_IDS]} for _, t in samples]
     return violations(measure(results, [ref32.hidden_states(ids, LAYER_IDS) for ids, _ in samples],
                               [ref16.hidden_states(ids, LAYER_IDS) for ids, _ in samples]))
 
 
-# --------------------------------------------------------------------------------------------
-# One shared run: prepared chat data + random sequences + corrupt lines, --on-bad-line skip
-# --------------------------------------------------------------------------------------------
-
 CHAT = {"id": "chat-1", "messages": [
     {"role": "user", "content": "w10 w11 w12"}, {"role": "assistant", "content": "w20 w21"},
     {"role": "user", "content": "w13"}, {"role": "assistant", "content": "w22 w23 w24"},
 ]}
+#: Ids whose old file names collided or that a file system could fold together.
+HOSTILE = ["a/b", "a_b-3ec69c85a4", "a_b", "..", "A", "a", "x" * 300, "日本", "nul\u0000id"]
 
 
 class SharedRun:
-    """The driver on a mixed input (with ``--on-bad-line skip``), on a checkpoint whose tokenizer is
-    remote code; its outcome is checked by the tests below."""
+    """The driver on a mixed input (``--on-bad-line skip``); its outcome is checked by the tests below."""
 
     def __init__(self, root: Path, model: Path) -> None:
-        self.model, self.out = model, root / "out"
+        self.root, self.model, self.out = root, model, root / "out"
         rng = random.Random(5)
         self.prepared = self._prepare(root)
         chat = json.loads(self.prepared.read_text().splitlines()[0])
-        # id -> (input line, expected input_ids, expected loss_mask)
         self.expected: dict[str, tuple[int, list[int], list[int] | None]] = {}
         self.bad: dict[int, str] = {}  # line -> a phrase its report must contain
         lines: list[str] = []
@@ -210,19 +190,25 @@ class SharedRun:
 
         good(chat["id"], chat["input_ids"], chat["loss_mask"])
         good("r-40", random_ids(rng, 40))
-        bad('{"id": "broken", "input_ids": [5, 6', "bad JSON")
         good("r-255", random_ids(rng, 255), [0] * 100 + [1] * 155)
-        bad(json.dumps({"id": "str-token", "input_ids": [5, "6"]}), "is not an integer")
         good("r-256", random_ids(rng, MAX_SEQ_LEN))  # exactly --max-seq-len: kept whole
+        good("r-120", random_ids(rng, 120))
+        good("r-200", random_ids(rng, 200))
+        bad('{"id": "broken", "input_ids": [5, 6', "bad JSON")
+        bad(json.dumps({"id": "str-token", "input_ids": [5, "6"]}), "is not an integer")
+        bad('{"id": "huge", "input_ids": [5, ' + "7" * 5000 + "]}", "4300 digits")
+        bad(json.dumps({"id": "float", "input_ids": [5, 6.0]}), "6.0 is not an integer")
+        bad(json.dumps({"id": "bool", "input_ids": [5, True]}), "True is not an integer")
         bad(json.dumps({"id": "empty", "input_ids": []}), "is empty")
         bad(json.dumps({"id": "oov", "input_ids": [5, 512]}), "outside the vocabulary")
         bad(json.dumps({"id": "r-40", "input_ids": [5, 6]}), "duplicate id 'r-40'")
-        bad(json.dumps({"id": "mask", "input_ids": [5, 6], "loss_mask": [1]}), "1 entries for 2")
+        bad(json.dumps({"id": "mask", "input_ids": [5, 6], "loss_mask": [1, 0.0]}), "is not the integer 0 or 1")
         lines.append("")  # blank lines are ignored
         ids = random_ids(rng, 300)
-        good("dir/long sample", ids, [1] * 300)  # truncated to 256; id sanitized for the file name
+        good("dir/long sample", ids, [1] * 300)  # truncated to 256
         self.long_line = len(lines)
-        good("r-120", random_ids(rng, 120))
+        for k, hid in enumerate(HOSTILE):
+            good(hid, random_ids(rng, 30 + k))
         self.data = write_jsonl(root / "data.jsonl", lines)
         self.proc = run_driver(model, self.data, self.out, "--on-bad-line", "skip")
 
@@ -237,26 +223,25 @@ class SharedRun:
         return dst
 
     def file_of(self, sample_id: str) -> Path:
-        return self.out / next(e["file"] for e in read_index(self.out) if e["id"] == sample_id)
+        return self.out / manifest(self.out)[1][sample_id]["file"]
 
 
 @pytest.fixture(scope="module")
 def shared(engines, tmp_path_factory) -> SharedRun:
     root = tmp_path_factory.mktemp("kimi-shared")
-    model = with_remote_code_tokenizer(engines.checkpoint("deepseek_v3", **NO_FLIPS), root / "model")
+    model = with_remote_code_tokenizer(engines.checkpoint(STAND_IN, **NO_FLIPS), root / "model")
     return SharedRun(root, model)
 
 
 def test_prepare_data_masks_assistant_tokens(shared):
     chat, text = map(json.loads, shared.prepared.read_text().splitlines())
     assert chat["id"] == "chat-1" and text["id"] == "text-2"
-    # "user w10 w11 w12 </s> assistant w20 w21 </s> ...": 1 on assistant content and its </s>
     trained = [t for t, m in zip(chat["input_ids"], chat["loss_mask"], strict=True) if m]
     assert trained == [20, 21, 2, 22, 23, 24, 2]
     assert text["input_ids"] == [5, 6, 7] and text["loss_mask"] == [1, 1, 1]
 
 
-def test_end_to_end_matches_transformers(shared, references):
+def test_end_to_end_matches_transformers_and_keeps_every_hostile_id(shared, references):
     proc = shared.proc
     assert proc.returncode == 0, proc.stderr[-5000:]
     err = proc.stderr
@@ -264,113 +249,241 @@ def test_end_to_end_matches_transformers(shared, references):
         report = next((ln for ln in err.splitlines() if f"data.jsonl line {line}:" in ln), "")
         assert phrase in report and "skipped" in report, f"line {line} not reported as {phrase!r}:\n{err}"
     assert f"data.jsonl line {shared.long_line}: id 'dir/long sample' has 300 tokens, truncated to" in err
-    assert "expected size:" in err and "stats id 'chat-1' layer 5" in err
+    assert "stats id 'chat-1' layer 5" in err
     assert f"summary: {len(shared.expected)} written, 0 already done (skipped), 0 failed" in err
 
-    check_index(shared.out, set(shared.expected))
-    entries = {e["id"]: e for e in read_index(shared.out)}
-    assert {k: e["line"] for k, e in entries.items()} == {k: v[0] for k, v in shared.expected.items()}
+    header, entries = manifest(shared.out)
+    assert sorted(entries) == sorted(shared.expected)  # every hostile id has its own file
+    assert len({e["file"].lower() for e in entries.values()}) == len(entries)
+    prov = header["provenance"]
+    assert prov["hidden_states"]["layer_ids"] == LAYER_IDS and prov["model"]["config_sha256"]
+    assert prov["speccompat"]["adapter"] and "generator.generate" in prov["speccompat"]["patches"]
+    assert prov["versions"]["vllm"] == ENGINE_ENV["vllm"] and prov["created"] == "2023-11-14T22:13:20Z"
     assert entries["dir/long sample"]["truncated_from"] == 300
-    assert entries["dir/long sample"]["num_tokens"] == MAX_SEQ_LEN
     samples = []
-    for sample_id, (_line, ids, mask) in shared.expected.items():
-        samples.append((ids, check_sample(shared.file_of(sample_id), ids, mask)))
-    assert shared.file_of("dir/long sample").name.startswith("dir_long_sample-")
+    for sample_id, (line, ids, mask) in shared.expected.items():
+        tensors, meta = load_sample(shared.file_of(sample_id))
+        assert entries[sample_id]["line"] == line
+        assert tensors["input_ids"].tolist() == ids
+        assert (tensors["loss_mask"].tolist() if mask else None) == mask
+        assert json.loads(meta["speccompat_provenance"]) == prov
+        for i in LAYER_IDS:
+            assert tuple(tensors[f"hidden_states_{i}"].shape) == (len(ids), HIDDEN)
+        samples.append((ids, tensors))
     assert not list(shared.out.glob("*.partial"))
+    v = verify(shared.out)
+    assert v.returncode == 0, v.stdout + v.stderr
     bad = parity(samples, references)
     assert not bad, "\n".join(bad[:15])
 
 
-def test_bad_lines_fail_before_the_engine_starts(shared):
+def test_refusals_come_before_any_engine_and_touch_nothing(shared, tmp_path):
+    """Bad lines, a changed model, a changed loss_mask, a colliding layer default, unusable output dirs."""
     before = snapshot(shared.out)
+
     proc = run_driver(shared.model, shared.data, shared.out, "--on-bad-line", "fail", "--on-long-line", "fail")
-    assert proc.returncode == 2, proc.stderr[-5000:]
-    assert "starting the engine" not in proc.stderr
+    assert proc.returncode == 2, proc.stderr[-3000:]
     for line in [*shared.bad, shared.long_line]:
         assert f"data.jsonl line {line}:" in proc.stderr
     assert f"{len(shared.bad) + 1} unusable line(s)" in proc.stderr
-    assert "nothing was run or written" in proc.stderr
+
+    other = tmp_path / "other-model"
+    shutil.copytree(shared.model, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["rope_theta"] = cfg.get("rope_theta", 10000.0) * 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    proc = run_driver(other, shared.data, shared.out, "--on-bad-line", "skip")
+    assert proc.returncode == 2 and "model.config_sha256" in proc.stderr, proc.stderr[-3000:]
+
+    lines = shared.data.read_text().splitlines()
+    rec = json.loads(lines[2])  # r-255, with a loss mask
+    rec["loss_mask"] = [1] * len(rec["input_ids"])
+    lines[2] = json.dumps(rec)
+    changed = write_jsonl(tmp_path / "changed.jsonl", lines)
+    proc = run_driver(shared.model, changed, shared.out, "--on-bad-line", "skip")
+    assert proc.returncode == 2 and "id 'r-255' (line 3): input_ids/loss_mask differ" in proc.stderr, proc.stderr[-3000:]
+
+    proc = run_driver(shared.model, shared.data, tmp_path / "fresh", "--on-bad-line", "skip", layers=False)
+    assert proc.returncode == 2 and "[2, 3, 3, 5]" in proc.stderr, proc.stderr[-3000:]
+
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], capture_output=True).returncode == 0
+    try:
+        cases = [(afile, "is not a directory"), (Path("/sys/speccompat-test"), "cannot create --output-dir")]
+        if mounted:
+            cases.append((ro, "read-only"))
+        for out, phrase in cases:
+            proc = run_driver(shared.model, shared.data, out, "--on-bad-line", "skip")
+            assert proc.returncode == 2 and phrase in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(ro)], capture_output=True)
+
+    proc = run_driver(shared.model, shared.data, shared.out, "--on-bad-line", "skip")  # nothing to do
+    assert proc.returncode == 0 and "nothing to do" in proc.stderr, proc.stderr[-3000:]
+    for p in (proc,):
+        assert "starting the engine" not in p.stderr
     assert snapshot(shared.out) == before
 
 
-def test_second_run_with_everything_done_does_nothing(shared):
-    before = snapshot(shared.out)
-    index = (shared.out / "index.jsonl").read_text()
-    proc = run_driver(shared.model, shared.data, shared.out, "--on-bad-line", "skip")
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "nothing to do" in proc.stderr and "starting the engine" not in proc.stderr
-    assert f"summary: 0 written, {len(shared.expected)} already done (skipped)" in proc.stderr
-    assert snapshot(shared.out) == before
-    assert (shared.out / "index.jsonl").read_text() == index
+def test_verify_finds_every_planted_problem(shared, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(shared.out, out)
+    _, entries = manifest(out)
+    (out / entries["r-40"]["file"]).unlink()
+    victim = out / entries["r-120"]["file"]
+    data = bytearray(victim.read_bytes())
+    data[-512:] = b"\xc0\x7f" * 256  # NaN in place, same size
+    victim.write_bytes(bytes(data))
+    (out / "notes.txt").write_text("")
+    proc = verify(out)
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert any(entries["r-40"]["file"] + ": missing" in x for x in lines), lines
+    assert any(victim.name + ": hidden_states_5 checksum differs" in x for x in lines), lines
+    assert any(victim.name + ": hidden_states_5 has 256 non-finite" in x for x in lines), lines
+    assert any("notes.txt: extra file" in x for x in lines), lines
+    assert len(lines) == 4, lines
 
 
 # --------------------------------------------------------------------------------------------
-# SIGKILL in the middle of a run, then resume
+# A full disk in the middle of a run, then the resume
 # --------------------------------------------------------------------------------------------
 
 
-def _kill_when_first_file_appears(proc: subprocess.Popen, out: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        if out.is_dir() and any(out.glob("*.safetensors")):
-            os.killpg(proc.pid, signal.SIGKILL)  # the driver and its engine workers, like a crash
-            break
-        time.sleep(0.02)
-    else:
-        proc.kill()
-        pytest.fail(f"the driver {'ended' if proc.poll() is not None else 'timed out'} before any "
-                    "sample was written; cannot test the kill")
-    proc.wait()
-    for _ in range(200):  # wait for the whole process group to be gone
+@pytest.fixture
+def tmpfs(tmp_path):
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_mid_run_loses_nothing_and_the_resume_is_byte_identical(shared, tmpfs):
+    out = tmpfs / "hs"
+    limit = ["--limit", "6", "--on-bad-line", "skip"]
+    log = shared.root / "full-disk.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(driver_args(shared.model, shared.data, out, *limit), stdout=f, stderr=subprocess.STDOUT,
+                                env=_env(), cwd=REPO, text=True)
+        deadline = time.monotonic() + TIMEOUT
+        while "starting the engine" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # the disk fills while the engine starts: room for about two more sample files
+        room = shutil.disk_usage(tmpfs).free - 1_300_000
+        (tmpfs / "filler").write_bytes(b"\0" * max(room, 0))
+        proc.wait(timeout=TIMEOUT)
+    err = log.read_text()
+    assert proc.returncode == 1, err[-4000:]
+    assert f"no space left on {out}" in err and "the engine failed" not in err, err[-4000:]
+    _, entries = manifest(out)
+    finished = {p.name for p in out.glob("*.safetensors")}
+    assert 1 <= len(entries) < 6 and finished == {e["file"] for e in entries.values()}
+    assert not list(out.glob("*.partial"))
+    assert verify(out).returncode == 0  # what is there is complete and listed
+
+    # free the disk; corrupt one finished file in place (same size) before resuming
+    (tmpfs / "filler").unlink()
+    victim = out / next(iter(entries.values()))["file"]
+    data = bytearray(victim.read_bytes())
+    data[-64:] = b"\xc0\x7f" * 32
+    victim.write_bytes(bytes(data))
+    proc2 = run_driver(shared.model, shared.data, out, *limit)
+    assert proc2.returncode == 0, proc2.stderr[-4000:]
+    assert f"{victim.name} (id" in proc2.stderr and "checksum differs from the manifest" in proc2.stderr
+    assert f"summary: {6 - len(entries) + 1} written, {len(entries) - 1} already done" in proc2.stderr
+    _, after = manifest(out)
+    assert len(after) == 6
+    for sample_id, e in after.items():  # byte for byte what the uninterrupted shared run wrote
+        assert (out / e["file"]).read_bytes() == shared.file_of(sample_id).read_bytes(), sample_id
+    assert verify(out).returncode == 0
+
+
+def test_sigkill_then_resume_is_byte_identical_and_rewrites_nothing(shared, tmp_path):
+    import signal
+
+    out = tmp_path / "hs"
+    limit = ["--limit", "6", "--on-bad-line", "skip"]
+    with open(tmp_path / "killed.log", "wb") as log:
+        proc = subprocess.Popen(driver_args(shared.model, shared.data, out, *limit), stdout=log,
+                                stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            if out.is_dir() and any(out.glob("*.safetensors")):
+                os.killpg(proc.pid, signal.SIGKILL)  # the driver and its engine workers, like a crash
+                break
+            time.sleep(0.02)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the driver ended before any file was written; cannot test the kill"
+    for _ in range(200):  # the whole process group gone
         try:
             os.killpg(proc.pid, 0)
         except ProcessLookupError:
-            return
+            break
         time.sleep(0.05)
+    _, entries = manifest(out)
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.safetensors")}
+    assert 1 <= len(finished) < 6 and set(finished) <= {e["file"] for e in entries.values()}
+    proc2 = run_driver(shared.model, shared.data, out, *limit)
+    assert proc2.returncode == 0, proc2.stderr[-4000:]
+    _, after = manifest(out)
+    assert len(after) == 6 and not list(out.glob("*.partial"))
+    for sample_id, e in after.items():
+        assert (out / e["file"]).read_bytes() == shared.file_of(sample_id).read_bytes(), sample_id
+    still = {n: ((out / n).stat().st_ino, (out / n).stat().st_mtime_ns) for n in finished}
+    assert still == finished, "finished files were rewritten"
 
 
-def test_sigkill_then_resume_loses_nothing_and_rewrites_nothing(engines, references, tmp_path):
-    model = engines.checkpoint("deepseek_v3", **NO_FLIPS)
-    rng = random.Random(9)
-    seqs = {f"s{i:02d}": random_ids(rng, rng.randrange(150, 250)) for i in range(12)}
-    data = write_jsonl(tmp_path / "data.jsonl",
-                       [json.dumps({"id": k, "input_ids": v}) for k, v in seqs.items()])
-    out = tmp_path / "out"
-    with open(tmp_path / "killed.log", "wb") as log:
-        proc = subprocess.Popen(driver_args(model, data, out), stdout=log, stderr=subprocess.STDOUT,
-                                env=_env(), cwd=REPO, start_new_session=True)
-        _kill_when_first_file_appears(proc, out, TIMEOUT)
-    assert proc.returncode == -signal.SIGKILL
+# --------------------------------------------------------------------------------------------
+# --format speculators, read by speculators' own training data loader
+# --------------------------------------------------------------------------------------------
 
-    # Whatever is named *.safetensors is complete; anything else is a recognizable temporary file.
-    finished = {p.name: p for p in out.glob("*.safetensors")}
-    assert 1 <= len(finished) < len(seqs), sorted(finished)
-    for name, path in finished.items():
-        check_sample(path, seqs[name.removesuffix(".safetensors")])
-    others = {p.name for p in out.iterdir()} - set(finished) - {"index.jsonl", LOCK}
-    assert all(n.endswith(".partial") for n in others), others
-    before = {n: (p.stat().st_ino, p.stat().st_mtime_ns) for n, p in finished.items()}
+LOADER = """
+import json, sys, torch
+from speculators.train.data import Eagle3SampleFileDataset
+d = Eagle3SampleFileDataset(max_len=4096, datapath=sys.argv[1], hidden_states_dtype=torch.bfloat16)
+out = {}
+for k, path in enumerate(d.data):
+    item = d[k]
+    out[path.name] = {"input_ids": item["input_ids"].tolist(), "loss_mask": item["loss_mask"].tolist(),
+                      "hs_sum": float(item["hidden_states"].float().sum()),
+                      "last_sum": float(item["verifier_last_hidden_states"].float().sum())}
+print(json.dumps(out))
+"""
 
-    # Worse than a kill can do, to see the resume repair it: a stray temporary file, a damaged
-    # sample file, an index that lost its entries and ends in half a line.
-    assert "s11.safetensors" not in finished
-    (out / "s11.safetensors.99999.partial").write_bytes(b"\0" * 100)
-    (out / "s11.safetensors").write_bytes(next(iter(finished.values())).read_bytes()[:1000])
-    (out / "index.jsonl").write_text('{"id": "s0')
 
-    proc2 = run_driver(model, data, out)
-    assert proc2.returncode == 0, proc2.stderr[-5000:]
-    assert "temporary file(s) left by an interrupted run" in proc2.stderr
-    assert "index.jsonl line 1 is malformed" in proc2.stderr
-    assert "s11.safetensors (line 12) exists but is not a result of this run" in proc2.stderr
-    assert f"{len(finished)} of {len(seqs)} samples already done" in proc2.stderr
-    assert f"summary: {len(seqs) - len(finished)} written, {len(finished)} already done" in proc2.stderr
+def test_format_speculators_is_read_by_speculators_own_loaders(shared):
+    out = shared.root / "spec"
+    proc = run_driver(shared.model, shared.data, out, "--format", "speculators", "--limit", "4",
+                      "--on-bad-line", "skip")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir() if p.name.endswith("pt")) == [f"data_{i}.pt" for i in range(4)]
+    assert (out / "data_config.json").is_file() and (out / "sample_lengths.json").is_file()
+    assert Path(str(out) + ".token_freq.pt").is_file()
+    assert verify(out).returncode == 0
+    _, entries = manifest(out)
+    import torch
 
-    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(f"{k}.safetensors" for k in seqs)
-    assert not list(out.glob("*.partial"))
-    check_index(out, set(seqs))
-    samples = [(ids, check_sample(out / f"{k}.safetensors", ids)) for k, ids in seqs.items()]
-    after = {n: (p.stat().st_ino, p.stat().st_mtime_ns) for n, p in finished.items()}
-    assert after == before, "finished files were rewritten"
-    bad = parity(samples, references)
-    assert not bad, "\n".join(bad[:15])
+    for version in ("0.3.0", "0.4.0.1"):
+        if version not in ENGINE_ENV["speculators"]:
+            continue
+        r = subprocess.run([sys.executable, "-c", "import speccompat; speccompat.apply()\n" + LOADER, str(out)],
+                           capture_output=True, text=True, env=_env(version), timeout=300, cwd=REPO)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+        assert len(got) == 4
+        for sample_id, e in entries.items():
+            ref, _ = load_sample(shared.file_of(sample_id))  # the same engine's safetensors file
+            mask = ref["loss_mask"].tolist() if "loss_mask" in ref else [1] * len(ref["input_ids"])
+            item = got[e["file"]]
+            assert item["input_ids"] == ref["input_ids"].tolist()[1:] and item["loss_mask"] == mask[1:]
+            hs = torch.cat([ref[f"hidden_states_{i}"] for i in LAYER_IDS[:-1]], dim=-1)[:-1].float().sum()
+            assert item["hs_sum"] == pytest.approx(float(hs), rel=1e-5), (version, sample_id)
+            last = ref[f"hidden_states_{LAYER_IDS[-1]}"][1:].float().sum()
+            assert item["last_sum"] == pytest.approx(float(last), rel=1e-5), (version, sample_id)

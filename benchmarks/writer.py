@@ -1,0 +1,164 @@
+"""How fast speccompat.dataset's writer puts samples on disk, against the disk itself (CPU only).
+
+Writes ``--samples`` fake samples of ``--tokens`` x ``--hidden`` x ``--layers`` (bf16) into a
+directory, in batches, through :class:`speccompat.dataset.writer.DatasetWriter` (header + raw
+buffers, checksums on the writer threads, fsyncs and renames grouped per batch) for each
+``--threads`` value, and compares it, in the same run and directory, with:
+
+- ``dd``: one fsync'd sequential write of the same number of bytes in 8 MiB blocks (what the disk does);
+- ``serial``: the former driver's path, per sample ``safetensors.torch.save`` (a ``bytes`` copy),
+  sha256, write, fsync, rename and a directory fsync, on the caller's thread.
+
+``caller_wait_s`` is how long ``submit`` blocked the caller (the engine loop) on the in-flight
+budget; the data are generated before the clock starts.
+
+    python benchmarks/writer.py --dir /data/bench --samples 64 --tokens 2048 --hidden 7168 --layers 4 \
+        --out benchmarks/results/writer-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from array import array
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write  # noqa: E402
+
+
+def dd(path: Path, nbytes: int, block: int = 8 << 20) -> float:
+    buf = memoryview(os.urandom(block))
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[: min(block, left)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    s = time.perf_counter() - t0
+    path.unlink()
+    return s
+
+
+def fake(args, torch):
+    from speccompat.dataset.inputs import Sample
+
+    g = torch.Generator().manual_seed(0)
+    samples, states = [], []
+    for i in range(args.samples):
+        ids = array("q", [4 + (i + k) % 500 for k in range(args.tokens)])
+        samples.append(Sample(f"s{i:05d}", i + 1, ids, array("b", [1] * args.tokens)))
+        states.append([torch.randn(args.tokens, args.hidden, generator=g).to(torch.bfloat16) for _ in range(args.layers)])
+    return samples, states
+
+
+def provenance(args):
+    from speccompat.dataset.provenance import LAYER_MEANING
+
+    return {"model": {"path": "bench", "hidden_size": args.hidden}, "versions": {},
+            "hidden_states": {"layer_ids": list(range(args.layers)), "meaning": LAYER_MEANING, "dtype": "bfloat16"},
+            "max_seq_len": args.tokens, "layout": "safetensors", "created": "bench"}
+
+
+def run_writer(args, root: Path, samples, states, threads: int, checksum: str) -> dict:
+    from speccompat.dataset.manifest import Manifest
+    from speccompat.dataset.store import open_dataset
+
+    out = root / f"writer-{threads}-{checksum}"
+    ds = open_dataset(out, samples, provenance(args))
+    ds.manifest.header["checksum"] = checksum
+    w = ds.writer(threads=threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
+    t0 = time.perf_counter()
+    for k in range(0, len(samples), args.batch):
+        w.submit([ds.job(s, list(h)) for s, h in zip(samples[k:k + args.batch], states[k:k + args.batch], strict=True)])
+    submitted = time.perf_counter() - t0
+    stats = w.close()
+    s = time.perf_counter() - t0
+    ds.lock.close()
+    assert len(Manifest(out).load().entries) == len(samples)
+    shutil.rmtree(out)
+    return {"threads": threads, "checksum": checksum, "s": round(s, 3), "gb_per_s": round(stats.bytes / s / 1e9, 3),
+            "caller_wait_s": round(stats.waited_s, 3), "caller_submit_s": round(submitted, 3),
+            "bytes": stats.bytes}
+
+
+def run_serial(args, root: Path, samples, states, torch) -> dict:
+    from safetensors.torch import save
+
+    out = root / "serial"
+    out.mkdir()
+    t0 = time.perf_counter()
+    total = 0
+    for s, h in zip(samples, states, strict=True):
+        tensors = {"input_ids": torch.tensor(s.input_ids, dtype=torch.int64),
+                   **{f"hidden_states_{i}": x for i, x in enumerate(h)}}
+        data = save(tensors, metadata={"sample": json.dumps({"id": s.id})})
+        hashlib.sha256(data).hexdigest()
+        tmp = out / f"{s.id}.partial"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, out / f"{s.id}.safetensors")
+        dfd = os.open(out, os.O_RDONLY)
+        os.fsync(dfd)
+        os.close(dfd)
+        total += len(data)
+    s = time.perf_counter() - t0
+    shutil.rmtree(out)
+    return {"s": round(s, 3), "gb_per_s": round(total / s / 1e9, 3), "bytes": total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary dir)")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=4, help="samples per submitted batch")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--checksums", nargs="+", default=["xxh3_64", "crc32"])
+    ap.add_argument("--max-in-flight-gb", type=float, default=8.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+
+    root = Path(tempfile.mkdtemp(prefix="writer-bench-", dir=args.dir))
+    try:
+        samples, states = fake(args, torch)
+        nbytes = sum(sum(x.numel() * 2 for x in h) for h in states)
+        dd_s = dd(root / "dd.bin", nbytes)
+        serial = run_serial(args, root, samples, states, torch)
+        writer = [run_writer(args, root, samples, states, t, c) for c in args.checksums for t in args.threads]
+        dd_s2 = dd(root / "dd.bin", nbytes)  # again: the disk's speed may drift during the run
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    dd_rate = nbytes / ((dd_s + dd_s2) / 2) / 1e9
+    doc = {
+        "benchmark": "writer",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}",
+        "dir": str(args.dir or tempfile.gettempdir()),
+        "shape": {"samples": args.samples, "tokens": args.tokens, "hidden": args.hidden, "layers": args.layers,
+                  "dtype": "bfloat16", "batch": args.batch, "gb": round(nbytes / 1e9, 3)},
+        "dd_gb_per_s": round(dd_rate, 3),
+        "serial": {**serial, "of_dd": round(serial["gb_per_s"] / dd_rate, 2)},
+        "writer": [{**w, "of_dd": round(w["gb_per_s"] / dd_rate, 2)} for w in writer],
+    }
+    write(doc, args.out)
+
+
+if __name__ == "__main__":
+    main()

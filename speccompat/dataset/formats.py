@@ -1,0 +1,193 @@
+"""On-disk layouts of one sample.
+
+``safetensors`` (default): ``<name_for_id(id)>.safetensors`` holding ``input_ids`` [n] int64,
+``loss_mask`` [n] int64 (when the input has one) and ``hidden_states_<layer>`` [n, hidden] per
+layer id, with the sample's facts and the data set's provenance in the header metadata. Written
+by :func:`encode_safetensors` straight from tensor memory (header + raw buffers, no copy).
+
+``speculators``: ``data_<i>.pt``, exactly what speculators 0.3/0.4's
+``scripts/data_generation_offline.py`` writes with ``torch.save``: ``{"input_ids": LongTensor[n],
+"hidden_states": [Tensor[n, hidden], ...], "loss_mask": LongTensor[n]}`` (all ones when the input
+has no mask), read by ``speculators.train.data.Eagle3SampleFileDataset`` unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .names import name_for_id
+
+__all__ = ["DTYPES", "SAFETENSORS", "SPECULATORS", "Encoded", "Layout", "encode_safetensors", "layout_named",
+           "read_safetensors", "tensor_buffer"]
+
+#: --dtype -> (bytes per element, safetensors dtype name, torch dtype name)
+DTYPES = {"bfloat16": (2, "BF16", "bfloat16"), "float16": (2, "F16", "float16"), "float32": (4, "F32", "float32")}
+_ST_NAME = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64", "int32": "I32", "int8": "I8",
+            "uint8": "U8", "float64": "F64"}
+SAFETENSORS, SPECULATORS = "safetensors", "speculators"
+
+
+def tensor_buffer(t: Any) -> memoryview:
+    """The bytes of a CPU tensor, without a copy when it is contiguous."""
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def st_dtype(t: Any) -> str:
+    return _ST_NAME[str(t.dtype).removeprefix("torch.")]
+
+
+@dataclass
+class Encoded:
+    """What one file is: the bytes before the tensors (header) and the tensors' buffers in order."""
+
+    header: bytes
+    tensors: list[tuple[str, str, list[int], memoryview]]  # (name, dtype, shape, buffer)
+    trailer: Any = None  # speculators layout: the object torch.save writes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(len(b) for *_, b in self.tensors)
+
+
+def encode_safetensors(named: list[tuple[str, Any]], metadata: dict[str, str]) -> Encoded:
+    """safetensors header for ``named`` tensors (in this order) and their buffers."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    tensors = []
+    offset = 0
+    for name, t in named:
+        buf = tensor_buffer(t)
+        dtype = st_dtype(t)
+        header[name] = {"dtype": dtype, "shape": list(t.shape), "data_offsets": [offset, offset + len(buf)]}
+        tensors.append((name, dtype, list(t.shape), buf))
+        offset += len(buf)
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads its header to 8 bytes
+    return Encoded(struct.pack("<Q", len(raw)) + raw, tensors)
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
+    """(metadata, {name: (dtype, shape, buffer)}, mmap) of a safetensors file, without torch.
+    Raises ``ValueError`` for a file that is not a complete safetensors file."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            raise ValueError(f"header is not JSON: {exc}") from None
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    meta = header.pop("__metadata__", {}) or {}
+    start = 8 + n
+    out = {}
+    end_max = 0
+    for name, info in header.items():
+        b, e = info["data_offsets"]
+        if not 0 <= b <= e or start + e > size:
+            raise ValueError(f"tensor {name}: data {b}..{e} outside the file ({size - start} data bytes)")
+        out[name] = (info["dtype"], list(info["shape"]), memoryview(mm)[start + b : start + e])
+        end_max = max(end_max, e)
+    if start + end_max != size:
+        raise ValueError(f"{size - start - end_max} bytes after the last tensor")
+    return meta, out, mm
+
+
+class Layout:
+    """Names and file contents of one layout."""
+
+    name = SAFETENSORS
+    suffix = ".safetensors"
+    #: files a data set of this layout has besides the samples and the manifest
+    side_files: tuple[str, ...] = ()
+
+    def file_name(self, sample_id: str, index: int) -> str:
+        return name_for_id(sample_id, self.suffix)
+
+    def is_sample_file(self, name: str) -> bool:
+        return name.endswith(self.suffix)
+
+    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any) -> list[tuple[str, Any]]:
+        import torch
+
+        named = [("input_ids", torch.tensor(sample.input_ids, dtype=torch.int64))]
+        if sample.loss_mask is not None:
+            named.append(("loss_mask", torch.tensor(sample.loss_mask, dtype=torch.int64)))
+        named += [(f"hidden_states_{i}", h if h.dtype == dtype else h.to(dtype))
+                  for i, h in zip(layer_ids, hidden_states, strict=True)]
+        return named
+
+    def encode(self, named: list[tuple[str, Any]], metadata: dict[str, str]) -> Encoded:
+        return encode_safetensors(named, metadata)
+
+    def read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
+        return read_safetensors(path)
+
+
+class SpeculatorsLayout(Layout):
+    name = SPECULATORS
+    suffix = ".pt"
+    side_files = ("data_config.json", "sample_lengths.json")
+
+    def file_name(self, sample_id: str, index: int) -> str:
+        return f"data_{index}.pt"
+
+    def is_sample_file(self, name: str) -> bool:
+        return name.startswith("data_") and name.endswith(".pt")
+
+    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any) -> list[tuple[str, Any]]:
+        import torch
+
+        mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.num_tokens
+        named = [("input_ids", torch.tensor(sample.input_ids, dtype=torch.long)),
+                 ("loss_mask", torch.tensor(mask, dtype=torch.long))]
+        named += [(f"hidden_states_{i}", (h if h.dtype == dtype else h.to(dtype)).contiguous())
+                  for i, h in zip(layer_ids, hidden_states, strict=True)]
+        return named
+
+    def encode(self, named: list[tuple[str, Any]], metadata: dict[str, str]) -> Encoded:
+        d = dict(named)
+        obj = {"input_ids": d["input_ids"],
+               "hidden_states": [t for n, t in named if n.startswith("hidden_states_")],
+               "loss_mask": d["loss_mask"]}
+        return Encoded(b"", [(n, st_dtype(t), list(t.shape), tensor_buffer(t)) for n, t in named], trailer=obj)
+
+    def read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
+        import torch
+
+        try:
+            obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+            raise ValueError(f"torch.load failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(obj, dict) or not {"input_ids", "hidden_states", "loss_mask"} <= set(obj):
+            raise ValueError("not a speculators sample dict (input_ids, hidden_states, loss_mask)")
+        out = {"input_ids": obj["input_ids"], "loss_mask": obj["loss_mask"]}
+        layer_ids = getattr(self, "layer_ids", None) or list(range(len(obj["hidden_states"])))
+        if len(obj["hidden_states"]) != len(layer_ids):
+            raise ValueError(f"{len(obj['hidden_states'])} hidden-state tensors, expected {len(layer_ids)}")
+        out.update({f"hidden_states_{i}": h for i, h in zip(layer_ids, obj["hidden_states"], strict=True)})
+        return {}, {n: (st_dtype(t), list(t.shape), tensor_buffer(t)) for n, t in out.items()}, obj
+
+
+def layout_named(name: str, layer_ids: list[int] | None = None) -> Layout:
+    if name == SAFETENSORS:
+        return Layout()
+    if name == SPECULATORS:
+        lay = SpeculatorsLayout()
+        lay.layer_ids = list(layer_ids or [])  # type: ignore[attr-defined]
+        return lay
+    raise ValueError(f"unknown layout {name!r} (known: {SAFETENSORS}, {SPECULATORS})")

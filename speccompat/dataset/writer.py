@@ -1,0 +1,277 @@
+"""The background writer: samples are written on a few threads while the engine computes the next
+batch; the caller waits only when more than ``max_in_flight_bytes`` of results are not yet written.
+
+Per sample (on a writer thread): cast to the stored dtype if needed, encode (safetensors header +
+the tensors' own buffers; or ``torch.save`` for the speculators layout), reserve the space, write,
+checksum each tensor's buffer, fsync, into ``<file>.<pid>.partial``. Per batch, once all its files
+are written (in submission order): append their manifest entries with one write + fsync, rename
+each file into place, fsync the directory once. Hence a visible sample file is complete and has
+its manifest entry, whenever the process dies; a crash between the manifest append and the renames
+leaves entries without files, which a resume redoes.
+
+A full disk (ENOSPC, EDQUOT) or another I/O error stops the writer: the failing file's temporary
+file is removed, files already written are still committed with their entries, and the next
+``submit`` (or ``close``) raises :class:`NoSpace` / :class:`WriterFailed`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checksum import digest_fn
+from .errors import NoSpace, WriterFailed
+from .formats import Layout
+from .fsutil import TMP_SUFFIX, FileOps, fsync_dir, is_no_space, write_all
+from .manifest import Manifest
+
+__all__ = ["DatasetWriter", "WriteJob", "WriterStats"]
+
+logger = logging.getLogger("speccompat.dataset")
+
+
+@dataclass
+class WriteJob:
+    """One sample to write: ``entry`` is its manifest entry without the file facts, ``hidden_states``
+    one tensor per layer id."""
+
+    sample: Any
+    file: str
+    hidden_states: list[Any]
+    entry: dict[str, Any]
+    metadata: dict[str, str] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+@dataclass
+class WriterStats:
+    files: int = 0
+    bytes: int = 0
+    write_s: float = 0.0  # summed over threads
+    commit_s: float = 0.0
+    waited_s: float = 0.0  # time submit() blocked the caller on the in-flight budget
+    peak_in_flight: int = 0
+
+
+class _Batch:
+    def __init__(self, jobs: list[WriteJob]) -> None:
+        self.jobs = jobs
+        self.left = len(jobs)
+        self.done: list[tuple[WriteJob, str, dict[str, Any]]] = []  # (job, tmp path, entry)
+
+
+class DatasetWriter:
+    """Write :class:`WriteJob` batches into ``out_dir`` under ``manifest``, in the background."""
+
+    def __init__(self, out_dir: Path, layout: Layout, manifest: Manifest, *, layer_ids: list[int], dtype: Any,
+                 checksum: str, threads: int = 4, max_in_flight_bytes: int = 8 << 30, ops: FileOps | None = None,
+                 check_cast: bool = True, on_commit: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+        self.out_dir, self.layout, self.manifest = Path(out_dir), layout, manifest
+        self.layer_ids, self.dtype, self.check_cast = list(layer_ids), dtype, check_cast
+        self.checksum_name, self.digest = checksum, digest_fn(checksum)
+        self.ops = ops or FileOps()
+        self.budget = max(1, int(max_in_flight_bytes))
+        self.on_commit = on_commit
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="speccompat-writer")
+        self.cond = threading.Condition()
+        self.in_flight = 0
+        self.batches: deque[_Batch] = deque()
+        self.commit_lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.stats = WriterStats()
+        self.closed = False
+
+    # -- caller side --------------------------------------------------------------------------
+
+    def submit(self, jobs: list[WriteJob]) -> None:
+        """Queue one batch. Blocks while the in-flight budget is spent (at least one batch is
+        always admitted); raises the writer's error once it has stopped."""
+        self.raise_if_failed()
+        for job in jobs:
+            job.nbytes = sum(h.numel() * h.element_size() for h in job.hidden_states)
+        size = sum(j.nbytes for j in jobs)
+        t0 = time.perf_counter()
+        with self.cond:
+            while self.in_flight and self.in_flight + size > self.budget and self.error is None:
+                self.cond.wait()
+            self.in_flight += size
+            self.stats.peak_in_flight = max(self.stats.peak_in_flight, self.in_flight)
+        self.stats.waited_s += time.perf_counter() - t0
+        self.raise_if_failed()
+        batch = _Batch(jobs)
+        with self.commit_lock:
+            self.batches.append(batch)
+        if not jobs:
+            self._commit_ready()
+        for job in jobs:
+            self.pool.submit(self._run, batch, job)
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self, *, raise_error: bool = True) -> WriterStats:
+        """Wait for every queued file, commit what was written; raise the writer's error, if any."""
+        if not self.closed:
+            self.closed = True
+            self.pool.shutdown(wait=True)
+            self._commit_ready()
+        if raise_error:
+            self.raise_if_failed()
+        return self.stats
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close(raise_error=exc[0] is None)
+
+    # -- writer threads -----------------------------------------------------------------------
+
+    def _run(self, batch: _Batch, job: WriteJob) -> None:
+        try:
+            if self.error is None:
+                tmp, entry = self._write(job)
+                with self.commit_lock:
+                    batch.done.append((job, tmp, entry))
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            self._fail(exc)
+        finally:
+            job.hidden_states = []  # drop the tensors: this is what frees the budget
+            with self.cond:
+                self.in_flight -= job.nbytes
+                self.cond.notify_all()
+            with self.commit_lock:
+                batch.left -= 1
+            self._commit_ready()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                if is_no_space(exc):
+                    self.error = NoSpace(f"no space left on {self.out_dir} ({exc.strerror}); finished files are "
+                                         "kept with their manifest entries: free some space and re-run to resume")
+                else:
+                    self.error = WriterFailed(f"writing to {self.out_dir} failed: {type(exc).__name__}: {exc}; "
+                                              "finished files are kept: re-run to resume")
+                self.error.__cause__ = exc
+            self.cond.notify_all()
+
+    def _write(self, job: WriteJob) -> tuple[str, dict[str, Any]]:
+        import torch
+
+        t0 = time.perf_counter()
+        named = self.layout.tensors(job.sample, job.hidden_states, self.layer_ids, self.dtype)
+        if self.check_cast:
+            src = {h.dtype for h in job.hidden_states}
+            if src != {self.dtype}:  # a cast may overflow (float32 -> float16): check what is stored
+                for name, t in named:
+                    if name.startswith("hidden_states_") and not bool(torch.isfinite(t).all()):
+                        raise ValueError(f"id {job.sample.id!r}: {name} has values that do not fit "
+                                         f"{self.dtype} (non-finite after the cast)")
+        enc = self.layout.encode(named, job.metadata)
+        tmp = str(self.out_dir / f"{job.file}.{os.getpid()}{TMP_SUFFIX}")
+        ops = self.ops
+        fd = ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        tensors: dict[str, Any] = {}
+        try:
+            try:
+                if enc.trailer is None:
+                    ops.reserve(fd, enc.nbytes)
+                    write_all(ops, fd, memoryview(enc.header))
+                    for name, dtype, shape, buf in enc.tensors:
+                        write_all(ops, fd, buf)
+                        tensors[name] = {"dtype": dtype, "shape": shape, "checksum": self.digest(buf)}
+                    size = enc.nbytes
+                else:  # torch.save (speculators layout), through the same file operations
+                    size = _torch_save(enc.trailer, fd, ops)
+                    for name, dtype, shape, buf in enc.tensors:
+                        tensors[name] = {"dtype": dtype, "shape": shape, "checksum": self.digest(buf)}
+                ops.fsync(fd)
+            finally:
+                ops.close(fd)
+        except BaseException:
+            try:
+                ops.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        entry = {**job.entry, "file": job.file, "bytes": size, "tensors": tensors}
+        with self.cond:
+            self.stats.write_s += time.perf_counter() - t0
+        return tmp, entry
+
+    def _commit_ready(self) -> None:
+        """Commit finished batches at the head of the queue, in submission order."""
+        with self.commit_lock:
+            while self.batches and self.batches[0].left == 0:
+                batch = self.batches.popleft()
+                if batch.done:
+                    self._commit(batch)
+
+    def _commit(self, batch: _Batch) -> None:
+        t0 = time.perf_counter()
+        order = {id(j): k for k, j in enumerate(batch.jobs)}
+        done = sorted(batch.done, key=lambda d: order[id(d[0])])
+        entries = [entry for _, _, entry in done]
+        try:
+            self.manifest.append(entries)
+        except BaseException as exc:  # noqa: BLE001 - the batch is dropped, nothing visible
+            for _, tmp, _ in done:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            self._fail(exc)
+            return
+        for (job, tmp, _entry) in done:
+            self.ops.replace(tmp, str(self.out_dir / job.file))
+        fsync_dir(self.out_dir)
+        self.stats.files += len(done)
+        self.stats.bytes += sum(e["bytes"] for e in entries)
+        self.stats.commit_s += time.perf_counter() - t0
+        if self.on_commit is not None:
+            self.on_commit(entries)
+
+
+class _FdWriter:
+    """A minimal binary file object over ``fd`` for ``torch.save`` (through :class:`FileOps`)."""
+
+    def __init__(self, fd: int, ops: FileOps) -> None:
+        self.fd, self.ops, self.pos = fd, ops, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        write_all(self.ops, self.fd, view)
+        self.pos += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        pass
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seekable(self) -> bool:
+        return False
+
+
+def _torch_save(obj: Any, fd: int, ops: FileOps) -> int:
+    import torch
+
+    f = _FdWriter(fd, ops)
+    torch.save(obj, f)
+    return f.pos
+
+
+def entry_json(entry: dict[str, Any]) -> str:
+    return json.dumps(entry, ensure_ascii=False)

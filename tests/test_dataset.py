@@ -1,0 +1,458 @@
+"""speccompat.dataset with fake generator results (no vLLM): names, input checks, provenance,
+writer, resume with checksums, a full disk, the in-flight budget, verify, layer ids."""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from dataset_fakes import HIDDEN, LAYERS, VOCAB, jsonl, model_dir, random_records, states
+
+from speccompat.dataset import Rejected, name_for_id
+from speccompat.dataset.fsutil import FileOps
+from speccompat.dataset.names import id_for_name
+
+#: The writer and verify need torch; names, input checks and layer ids do not.
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the writer needs torch")
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+# ---------------------------------------------------------------------------------------------
+
+HOSTILE = [
+    "a/b", "a_b", "a%2fb", "a_b-3ec69c85a4", "a b", "A", "a", "Ab", "aB", "..", ".", ".hidden", "a\0b", "a\\b",
+    "x" * 300, "x" * 299 + "y", "é", "e\u0301", "日本語", "%", "%25", "~", "a~b", "CON", "-", "_", "\ud800",
+]
+
+
+def test_names_are_injective_reversible_and_safe_on_case_insensitive_file_systems(tmp_path):
+    names = [name_for_id(i, ".safetensors") for i in HOSTILE]
+    assert len(set(names)) == len(HOSTILE)
+    assert len({n.lower() for n in names}) == len(HOSTILE)  # case-insensitive file systems
+    for sample_id, name in zip(HOSTILE, names, strict=True):
+        assert "/" not in name and "\0" not in name and "\\" not in name and not name.startswith(".")
+        assert len(name.encode()) + len(".12345678.partial") <= 255
+        back = id_for_name(name, ".safetensors")
+        assert back is None if len(sample_id) >= 100 else back == sample_id
+        (tmp_path / name).write_bytes(b"")  # a real file system takes every one
+    assert len(list(tmp_path.iterdir())) == len(HOSTILE)
+    # the old scheme's collision: a sanitised id equal to another id's name
+    assert name_for_id("a/b") != name_for_id("a_b-3ec69c85a4")
+
+
+# ---------------------------------------------------------------------------------------------
+# input checks
+# ---------------------------------------------------------------------------------------------
+
+def test_every_bad_line_is_reported_with_its_line_number(tmp_path):
+    from speccompat.dataset.inputs import scan_jsonl
+
+    good = {"id": "ok", "input_ids": [5, 6, 7]}
+    lines = [
+        json.dumps(good),
+        '{"id": "big", "input_ids": [5, ' + "9" * 5000 + "]}",                   # 2 int too long for str()
+        json.dumps({"id": "f", "input_ids": [5, 6.0]}),                           # 3 float
+        json.dumps({"id": "b", "input_ids": [5, True]}),                          # 4 bool
+        json.dumps({"id": True, "input_ids": [5]}),                               # 5 bool id
+        json.dumps({"id": "oov", "input_ids": [5, VOCAB]}),                       # 6 outside vocabulary
+        json.dumps({"id": "m", "input_ids": [5, 6], "loss_mask": [1, 0.5]}),      # 7 float mask
+        json.dumps({"id": "m2", "input_ids": [5, 6], "loss_mask": [1, True]}),    # 8 bool mask
+        json.dumps({"id": 7, "input_ids": [5]}),                                  # 9 int id "7"
+        json.dumps({"id": "7", "input_ids": [5]}),                                # 10 same id as a string
+        "[1, 2]",                                                                 # 11 not an object
+        '{"id": "x", "input_ids": [5',                                            # 12 bad JSON
+        json.dumps({"id": "neg", "input_ids": [-1]}),                             # 13 negative
+        json.dumps({"id": "big2", "input_ids": [10 ** 30]}),                      # 14 huge but convertible
+    ]
+    raw = ("\n".join(lines) + "\n").encode() + b'{"id": "\xff"}\n'                # 15 not UTF-8
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(raw)
+    scan = scan_jsonl(path, vocab_size=VOCAB, max_seq_len=100)
+    got = {p.line: p.reason for p in scan.problems}
+    expect = {2: "4300 digits", 3: "6.0 is not an integer", 4: "True is not an integer", 5: '"id" must be',
+              6: "outside the vocabulary", 7: "0.5 is not the integer 0 or 1", 8: "True is not the integer",
+              10: "duplicate id '7' (first on line 9)", 11: "expected a JSON object", 12: "bad JSON",
+              13: "outside the vocabulary", 14: "outside the vocabulary", 15: "not UTF-8"}
+    assert sorted(got) == sorted(expect), got
+    for line, phrase in expect.items():
+        assert phrase in got[line], (line, got[line])
+    assert [s.id for s in scan.samples] == ["ok", "7"]
+    assert all(p.fatal for p in scan.problems)
+    with pytest.raises(Rejected, match=r"13 unusable line\(s\)"):
+        from speccompat.dataset.inputs import report_scan
+
+        report_scan(scan, 100)
+
+
+def test_long_lines_truncate_skip_or_fail(tmp_path):
+    from speccompat.dataset.inputs import scan_jsonl
+
+    path = jsonl(tmp_path / "in.jsonl", [{"id": "l", "input_ids": list(range(4, 20)), "loss_mask": [1] * 16}])
+    s = scan_jsonl(path, vocab_size=VOCAB, max_seq_len=10).samples[0]
+    assert s.num_tokens == 10 and s.truncated_from == 16 and len(s.loss_mask) == 10
+    assert scan_jsonl(path, vocab_size=VOCAB, max_seq_len=10, on_long="skip").samples == []
+    assert scan_jsonl(path, vocab_size=VOCAB, max_seq_len=10, on_long="fail").problems[0].fatal
+
+
+# ---------------------------------------------------------------------------------------------
+# a data set written from fake results
+# ---------------------------------------------------------------------------------------------
+
+def provenance(model: Path, layout: str = "safetensors", **kw):
+    from speccompat.dataset import collect_provenance, read_model_info
+
+    info = read_model_info(str(model))
+    args = dict(model_path=str(model), info=info, layer_ids=LAYERS, dtype="bfloat16", max_seq_len=64,
+                on_long_line="truncate", tensor_parallel_size=1, layout=layout,
+                status={"state": "armed", "adapter": "vllm_0_29_0", "vllm": {"raw": "0.32.0"},
+                        "speculators": {"raw": "0.4.0.1"}, "patches": [{"id": "generator.generate", "state": "pending"}]})
+    args.update(kw)
+    return collect_provenance(**args)
+
+
+def scan(path: Path, **kw):
+    from speccompat.dataset import scan_jsonl
+
+    return scan_jsonl(path, vocab_size=VOCAB, max_seq_len=64, **kw).samples
+
+
+def run(out: Path, samples, prov, *, batch: int = 3, ops=None, seed: int = 0, **kw):
+    """What the driver does after the engine started, with fake results."""
+    from speccompat.dataset import open_dataset
+
+    ds = open_dataset(out, samples, prov, **kw)
+    writer = ds.writer(threads=3, ops=ops)
+    try:
+        for k in range(0, len(ds.todo), batch):
+            writer.submit([ds.job(s, states(s, seed)) for s in ds.todo[k:k + batch]])
+    finally:
+        stats = writer.close(raise_error=False)
+        ds.lock.close()
+    err = writer.error
+    if err is not None:
+        raise err
+    ds.finish(out.with_name(out.name + ".freq.pt"))
+    return ds, stats
+
+
+@pytest.fixture
+def world(tmp_path):
+    model = model_dir(tmp_path)
+    records = random_records(10) + [{"id": i, "input_ids": [5, 6, 7, k + 4]} for k, i in enumerate(HOSTILE[:12])]
+    data = jsonl(tmp_path / "data.jsonl", records)
+    return tmp_path, model, data, scan(data)
+
+
+def manifest_entries(out: Path) -> list[dict]:
+    lines = (out / "manifest.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines[1:]]
+
+
+@needs_torch
+def test_written_files_hold_the_results_the_provenance_and_pass_verify(world):
+    import torch
+    from safetensors import safe_open
+
+    from speccompat.dataset import verify_dataset
+
+    root, model, _data, samples = world
+    out = root / "out"
+    ds, stats = run(out, samples, provenance(model))
+    assert stats.files == len(samples) and not list(out.glob("*.partial"))
+    entries = manifest_entries(out)
+    assert sorted(e["id"] for e in entries) == sorted(s.id for s in samples)
+    header = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
+    assert header["provenance"]["model"]["config_sha256"] and header["checksum"] in ("xxh3_64", "crc32")
+    for s in samples:
+        path = out / ds.files[s.id]
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata()
+            assert f.get_tensor("input_ids").tolist() == list(s.input_ids)
+            for layer, h in zip(LAYERS, states(s), strict=True):
+                assert torch.equal(f.get_tensor(f"hidden_states_{layer}"), h)
+            if s.loss_mask is not None:
+                assert f.get_tensor("loss_mask").tolist() == list(s.loss_mask)
+        assert json.loads(meta["speccompat_provenance"]) == header["provenance"]
+        assert json.loads(meta["speccompat_sample"])["id"] == s.id
+    assert verify_dataset(out) == ([], len(samples))
+
+
+@needs_torch
+def test_resume_skips_intact_files_and_redoes_changed_ones(world, caplog):
+    root, model, _data, samples = world
+    out = root / "out"
+    ds, _ = run(out, samples, provenance(model))
+    victim = out / ds.files["s003"]
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    # same size, hidden-state bytes overwritten in place with NaN
+    data = bytearray(victim.read_bytes())
+    data[-64:] = (b"\xc0\x7f" * 32)
+    victim.write_bytes(bytes(data))
+    (out / ds.files["s004"]).unlink()
+    from speccompat.dataset import open_dataset
+
+    with caplog.at_level("INFO"):
+        ds2 = open_dataset(out, samples, provenance(model))
+    ds2.lock.close()
+    assert sorted(s.id for s in ds2.todo) == ["s003", "s004"]
+    assert "checksum differs from the manifest" in caplog.text
+    _, stats = run(out, samples, provenance(model))
+    assert stats.files == 2
+    after = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    assert {n for n in after if after[n] != before.get(n)} == {victim.name, ds.files["s004"]}
+    from speccompat.dataset import verify_dataset
+
+    assert verify_dataset(out)[0] == []
+
+
+@needs_torch
+def test_a_different_model_or_input_is_refused_before_anything_runs_unless_overwrite(world):
+    root, model, data, samples = world
+    out = root / "out"
+    run(out, samples, provenance(model))
+    manifest = (out / "manifest.jsonl").read_bytes()
+    other = model_dir(root / "other", hidden=HIDDEN, rope_theta=5.0)
+    with pytest.raises(Rejected, match="model.config_sha256"):
+        run(out, samples, provenance(other))
+    with pytest.raises(Rejected, match=r"hidden_states.dtype: \"bfloat16\" -> \"float16\""):
+        run(out, samples, provenance(model, dtype="float16"))
+    with pytest.raises(Rejected, match="versions.vllm"):
+        run(out, samples, provenance(model, status={"vllm": {"raw": "0.33.0"}}))
+    changed = json.loads(data.read_text().splitlines()[2])
+    changed["loss_mask"] = [1 - m for m in changed["loss_mask"]]
+    lines = data.read_text().splitlines()
+    lines[2] = json.dumps(changed)
+    data2 = jsonl(root / "data2.jsonl", lines)
+    with pytest.raises(Rejected, match=r"id 's002' \(line 3\): input_ids/loss_mask differ"):
+        run(out, scan(data2), provenance(model))
+    assert (out / "manifest.jsonl").read_bytes() == manifest  # refused: nothing touched
+    ds, stats = run(out, samples, provenance(other), overwrite=True)
+    assert stats.files == len(samples)
+    assert json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["provenance"]["model"]["path"] == str(other)
+
+
+@needs_torch
+def test_no_manifest_but_sample_files_is_refused(tmp_path):
+    model = model_dir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.safetensors").write_bytes(b"x")
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(2)))
+    with pytest.raises(Rejected, match="no manifest.jsonl"):
+        run(out, samples, provenance(model))
+
+
+@pytest.mark.parametrize("kind", ["file", "readonly", "sys"])
+def test_output_dir_problems_are_rejected_with_a_message(tmp_path, kind):
+    from speccompat.dataset.fsutil import check_output_dir
+
+    if kind == "file":
+        target = tmp_path / "f"
+        target.write_text("")
+        match = "not a directory"
+    elif kind == "readonly":
+        if os.geteuid() == 0:
+            # root ignores permission bits: a read-only bind mount is what refuses root
+            target = tmp_path / "ro"
+            target.mkdir()
+            r = subprocess.run(["mount", "--bind", "-o", "ro", str(target), str(target)], capture_output=True)
+            if r.returncode != 0:
+                pytest.skip(f"cannot make a read-only mount here: {r.stderr.decode().strip()}")
+            match = "read-only"
+        else:
+            target = tmp_path / "ro"
+            target.mkdir()
+            target.chmod(0o500)
+            match = "permission denied"
+    else:
+        target = Path("/sys/speccompat-test")
+        match = "cannot create --output-dir"
+    try:
+        with pytest.raises(Rejected, match=match):
+            check_output_dir(target)
+    finally:
+        if kind == "readonly" and os.geteuid() == 0:
+            subprocess.run(["umount", str(target)], capture_output=True)
+
+
+class FullDisk(FileOps):
+    """The disk fills after ``left`` bytes."""
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+        self.lock = threading.Lock()
+
+    def reserve(self, fd, size):
+        pass
+
+    def write(self, fd, buf):
+        with self.lock:
+            if self.left < len(buf):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.left -= len(buf)
+        return os.write(fd, buf)
+
+
+@needs_torch
+def test_a_full_disk_keeps_finished_files_and_a_rerun_resumes(world):
+    from speccompat.dataset import NoSpace, verify_dataset
+
+    root, model, _data, samples = world
+    out, ref = root / "out", root / "ref"
+    run(ref, samples, provenance(model))
+    with pytest.raises(NoSpace, match=f"no space left on {out}"):
+        run(out, samples, provenance(model), ops=FullDisk(left=6000))
+    kept = manifest_entries(out)
+    assert 0 < len(kept) < len(samples)
+    assert not list(out.glob("*.partial"))
+    assert {p.name for p in out.glob("*.safetensors")} == {e["file"] for e in kept}
+    problems, _ = verify_dataset(out)
+    assert problems == []  # what is there is complete and listed
+    _, stats = run(out, samples, provenance(model))
+    assert stats.files == len(samples) - len(kept)
+    # byte-identical to the uninterrupted run (same created date: SOURCE_DATE_EPOCH unset -> kept
+    # from the first run, so compare tensors and sample facts, and the whole file where dates agree)
+    for p in ref.glob("*.safetensors"):
+        from speccompat.dataset.formats import read_safetensors
+
+        m1, t1, _ = read_safetensors(p)
+        m2, t2, _ = read_safetensors(out / p.name)
+        assert {k: bytes(v[2]) for k, v in t1.items()} == {k: bytes(v[2]) for k, v in t2.items()}
+        assert m1["speccompat_sample"] == m2["speccompat_sample"]
+
+
+@needs_torch
+def test_resumed_and_uninterrupted_runs_are_byte_identical(world, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    root, model, _data, samples = world
+    run(root / "a", samples, provenance(model))
+    from speccompat.dataset import NoSpace
+
+    with pytest.raises(NoSpace):
+        run(root / "b", samples, provenance(model), ops=FullDisk(left=9000))
+    run(root / "b", samples, provenance(model))
+    a = {p.name: p.read_bytes() for p in (root / "a").glob("*.safetensors")}
+    b = {p.name: p.read_bytes() for p in (root / "b").glob("*.safetensors")}
+    assert a == b and len(a) == len(samples)
+
+
+class SlowDisk(FileOps):
+    def write(self, fd, buf):
+        time.sleep(0.02)
+        return os.write(fd, buf)
+
+
+@needs_torch
+def test_the_in_flight_budget_bounds_memory_and_the_caller_does_not_wait_below_it(tmp_path):
+    from speccompat.dataset import open_dataset
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(12, lo=30, hi=31)))
+    per = 30 * HIDDEN * 2 * len(LAYERS)
+    ds = open_dataset(tmp_path / "out", samples, provenance(model))
+    w = ds.writer(threads=2, max_in_flight_bytes=3 * per, ops=SlowDisk())
+    t0 = time.perf_counter()
+    w.submit([ds.job(s, states(s)) for s in ds.todo[:2]])
+    assert time.perf_counter() - t0 < 0.02  # below the budget: returns at once
+    for k in range(2, 12, 2):
+        w.submit([ds.job(s, states(s)) for s in ds.todo[k:k + 2]])
+    stats = w.close()
+    assert stats.files == 12 and stats.waited_s > 0 and stats.peak_in_flight <= 4 * per
+
+
+@needs_torch
+def test_verify_reports_each_planted_problem(world, capsys):
+    from speccompat.cli import main as cli_main
+    from speccompat.dataset import open_dataset, verify_dataset
+
+    root, model, _data, samples = world
+    out = root / "out"
+    ds, _ = run(out, samples, provenance(model))
+    assert cli_main(["verify", str(out)]) == 0
+    f = {s.id: out / ds.files[s.id] for s in samples}
+    f["s000"].unlink()                                                   # missing
+    data = bytearray(f["s001"].read_bytes())
+    data[-2:] = b"\x01\x02"
+    f["s001"].write_bytes(bytes(data))                                   # checksum
+    (out / "stray.bin").write_bytes(b"")                                 # extra
+    (out / "x.safetensors.1.partial").write_bytes(b"")                   # leftover
+    # a file of another provenance (and a NaN sample) written under the same manifest
+    other = provenance(model)
+    other["max_seq_len"] = 99
+    ds2 = open_dataset(root / "out2", [samples[2]], other)
+    w = ds2.writer()
+    bad_states = states(samples[2])
+    bad_states[0][0, 0] = float("nan")
+    w.submit([ds2.job(samples[2], bad_states)])
+    w.close()
+    ds2.lock.close()
+    (root / "out2" / ds2.files["s002"]).replace(f["s002"])
+    entries = manifest_entries(root / "out2")
+    with open(out / "manifest.jsonl", "a") as m:
+        m.write(json.dumps(entries[0]) + "\n")
+    problems, _ = verify_dataset(out)
+    text = "\n".join(problems)
+    for phrase in ["s000.safetensors: missing", "s001.safetensors: hidden_states_5 checksum differs",
+                   "stray.bin: extra file", "x.safetensors.1.partial: extra file (temporary",
+                   "s002.safetensors: hidden_states_1 has 1 non-finite", "s002.safetensors: provenance differs",
+                   "max_seq_len"]:
+        assert phrase in text, (phrase, text)
+    assert len(problems) == 6, text
+    assert cli_main(["verify", str(out)]) == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 6 and all(line.startswith(str(out)) for line in printed)
+
+
+# ---------------------------------------------------------------------------------------------
+# layer ids
+# ---------------------------------------------------------------------------------------------
+
+def test_layer_id_defaults_are_checked_against_the_model(tmp_path):
+    from speccompat.layers import LayerIdsError, check_generator_layer_ids, resolve_layer_ids
+
+    assert resolve_layer_ids(None, 61) == [2, 30, 58, 60]
+    assert resolve_layer_ids(None, 8) == [2, 4, 5, 7]
+    with pytest.raises(LayerIdsError, match=r"\[2, 3, 3, 5\] for this model's 6 decoder layers"):
+        resolve_layer_ids(None, 6)
+    with pytest.raises(LayerIdsError, match=r"outside the model's decoder layers \[0, 5\]"):
+        resolve_layer_ids([1, 6], 6)
+    model = model_dir(tmp_path)  # 6 layers
+    with pytest.raises(LayerIdsError, match=r"\[2, 3, 3, 5\]"):
+        check_generator_layer_ids(str(model), None)
+    check_generator_layer_ids(str(model), [1, 2, 4, 5])
+    kimi = model_dir(tmp_path / "kimi", text_config={"num_hidden_layers": 61})
+    cfg = json.loads((kimi / "config.json").read_text())
+    del cfg["num_hidden_layers"]
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    check_generator_layer_ids(str(kimi), None)  # text_config: 61 layers, default fine
+
+
+def test_the_generator_patch_rejects_a_colliding_default_before_speculators_init_runs(tmp_path):
+    from speccompat.generator import wrap_init
+
+    model = model_dir(tmp_path)  # 6 layers: speculators' default would be [2, 3, 3, 5]
+    called = []
+    with pytest.raises(ValueError, match=r"\[2, 3, 3, 5\]"):
+        wrap_init(lambda *a, **k: called.append(1), None, (str(model),), {})
+    with pytest.raises(ValueError, match=r"\[2, 3, 3, 5\]"):
+        wrap_init(lambda *a, **k: called.append(1), None, (), {"model_path": str(model), "layer_ids": None})
+    assert called == []
+    wrap_init(lambda *a, **k: called.append(1), None, (str(model), [1, 2, 4, 5]), {})
+    assert called == [1]
+
+
+def test_importing_the_package_imports_neither_torch_nor_safetensors():
+    code = ("import sys, speccompat, speccompat.dataset, speccompat.dataset.verify, speccompat.cli;"
+            "from speccompat.dataset import store, writer, inputs;"
+            "print([m for m in ('torch', 'safetensors', 'vllm', 'xxhash') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
