@@ -119,7 +119,9 @@ def generate(gen: Any, batch: list[Any]) -> list[Any]:
     from speccompat.errors import HiddenStatesError
 
     try:
-        return gen.generate([list(s.input_ids) for s in batch])
+        # copy=False (speccompat's generate): views of the worker's shared-memory buffer, written to
+        # disk straight from there; the buffer is not reused while the writer still holds them
+        return gen.generate([list(s.input_ids) for s in batch], copy=False)
     except HiddenStatesError as exc:
         if len(batch) == 1:
             return [exc]

@@ -43,6 +43,16 @@ def tensor_buffer(t: Any) -> memoryview:
     return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
+def owned(t: Any) -> Any:
+    """``t`` as a contiguous tensor that owns all of its storage. ``torch.save`` writes a tensor's
+    whole storage: a view (``generate(copy=False)`` returns views of one batch-wide buffer) would
+    put the entire batch into every file."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        t = t.clone()
+    return t
+
+
 def st_dtype(t: Any) -> str:
     return _ST_NAME[str(t.dtype).removeprefix("torch.")]
 
@@ -155,7 +165,7 @@ class SpeculatorsLayout(Layout):
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.num_tokens
         named = [("input_ids", torch.tensor(sample.input_ids, dtype=torch.long)),
                  ("loss_mask", torch.tensor(mask, dtype=torch.long))]
-        named += [(f"hidden_states_{i}", (h if h.dtype == dtype else h.to(dtype)).contiguous())
+        named += [(f"hidden_states_{i}", owned(h if h.dtype == dtype else h.to(dtype)))
                   for i, h in zip(layer_ids, hidden_states, strict=True)]
         return named
 
