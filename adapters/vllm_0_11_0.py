@@ -17,12 +17,14 @@ from typing import Any
 
 from speccompat.adapter import Adapter as _Base
 from speccompat.adapter import Change
-from speccompat.errors import DriftError
+from speccompat.errors import DriftError, HiddenStatesError
 from speccompat.probe import Symbol, fingerprint
 
 KV = "vllm.v1.core.kv_cache_utils"
 EXEC = "vllm.v1.executor.multiproc_executor:MultiprocExecutor"
 SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+SCHED_OUT = "vllm.v1.core.sched.output"
 
 
 class Adapter(_Base):
@@ -100,6 +102,16 @@ class Adapter(_Base):
                    why="speculators 0.3.0's worker module imports it"),
             Symbol("vllm.distributed:tensor_model_parallel_all_gather", why="worker capture: SP shards"),
             Symbol("vllm.platforms:current_platform"),
+            # Worker side: what speccompat.capture reads of the runner and the scheduler output.
+            Symbol(f"{RUNNER}.execute_model", accepts=("scheduler_output",), why="worker: capture wraps it"),
+            Symbol("vllm.v1.worker.gpu_input_batch:InputBatch.req_ids", why="worker: batch_order (V1 runner)"),
+            Symbol(f"{SCHED_OUT}:SchedulerOutput", accepts=("scheduled_new_reqs", "num_scheduled_tokens",
+                                                           "total_num_scheduled_tokens"), why="worker: step_of"),
+            Symbol(f"{SCHED_OUT}:NewRequestData", accepts=("req_id", "prompt_token_ids"), why="worker: step_of"),
+            Symbol("vllm.v1.utils:CpuGpuBuffer", accepts=("dtype", "device"),
+                   why="worker: step_token_ids reads runner.input_ids.gpu"),
+            Symbol("vllm.model_executor.models.interfaces:SupportsMultiModal.get_language_model",
+                   why="worker: decoder_layers under a multimodal wrapper"),
         ]
     )
 
@@ -154,6 +166,68 @@ class Adapter(_Base):
     def execute(self, executor: Any, scheduler_output: Any) -> Any:
         return executor.execute_model(scheduler_output)
 
+    # ------------------------------------------------------------------------------ worker side
+    def decoder_layers(self, model: Any) -> tuple[Any, Any]:
+        # Text models: model.model.layers. Multimodal wrappers: get_language_model() returns a
+        # CausalLM (Kimi-K2.5 from 0.16) or a bare base model (0.15.x).
+        candidates = []
+        if hasattr(model, "get_language_model"):
+            try:
+                lm = model.get_language_model()
+            except Exception:  # noqa: BLE001 - some wrappers raise when they have no LM
+                lm = None
+            if lm is not None:
+                candidates += [getattr(lm, "model", None), lm]
+        candidates += [getattr(model, "model", None), model]
+        for cand in candidates:
+            if cand is not None and hasattr(cand, "layers") and hasattr(cand, "forward"):
+                return cand, cand.layers
+        raise HiddenStatesError(
+            f"cannot find decoder layers in {type(model).__name__} "
+            "(looked at get_language_model().model, get_language_model(), .model and the model itself)"
+        )
+
+    def step_of(self, scheduler_output: Any) -> tuple[dict[str, int], int, dict[str, list[int]]]:
+        so = scheduler_output
+        try:
+            scheduled = dict(so.num_scheduled_tokens)
+            total = int(so.total_num_scheduled_tokens)
+            new = {r.req_id: list(r.prompt_token_ids) for r in so.scheduled_new_reqs
+                   if r.prompt_token_ids is not None}
+        except AttributeError as exc:
+            raise _worker_drift(f"{SCHED_OUT}:SchedulerOutput", exc) from exc
+        return scheduled, total, new
+
+    def is_warm_up(self, scheduler_output: Any, kwargs: dict[str, Any]) -> bool:
+        return scheduler_output is None
+
+    def watch_batch(self, runner: Any, on_batch: Any) -> list[tuple[Any, str, Any]]:
+        if not hasattr(runner, "input_batch"):
+            raise _worker_drift("vllm.v1.worker.gpu_input_batch:InputBatch.req_ids",
+                                AttributeError(f"{type(runner).__name__} has no input_batch"))
+        return []
+
+    def batch_order(self, runner: Any, batch: Any) -> list[str | None]:
+        return list(runner.input_batch.req_ids)
+
+    def step_positions(self, positions: Any) -> Any:
+        return positions[0] if positions.dim() > 1 else positions  # M-RoPE: (3, num_tokens)
+
+    def step_token_ids(self, runner: Any, batch: Any, num_tokens: int) -> Any:
+        # With inputs_embeds the V1 runner still stages the step's token ids in its input_ids
+        # buffer (a CpuGpuBuffer; _prepare_inputs copies them to .gpu before the forward).
+        buf = getattr(getattr(runner, "input_ids", None), "gpu", None)
+        return buf[:num_tokens] if buf is not None else None
+
+    def gather_layer_output(self, stream: Any, num_tokens_padded: int, tp_size: int) -> Any:
+        if stream.shape[0] < num_tokens_padded and tp_size > 1:
+            # Sequence-parallel MoE (DeepseekV2 with expert parallelism, 0.25+) keeps a token shard
+            # per TP rank between layers.
+            from vllm.distributed import tensor_model_parallel_all_gather
+
+            stream = tensor_model_parallel_all_gather(stream.contiguous(), 0)
+        return stream
+
     def unique_reply(self, reply: Any) -> Any:
         if not isinstance(reply, list) or len(reply) != 1:
             raise DriftError(
@@ -163,3 +237,8 @@ class Adapter(_Base):
                 problem="reply shape",
             )
         return reply[0]
+
+
+def _worker_drift(symbol: str, exc: Exception) -> DriftError:
+    return DriftError(f"vLLM's worker objects differ from what this adapter reads: {symbol}: {exc}",
+                      symbol=symbol, problem=str(exc))

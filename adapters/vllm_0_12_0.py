@@ -10,13 +10,17 @@ any wrapper.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 from speccompat.adapter import Change
+from speccompat.errors import HiddenStatesError
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_11_1 as prev
 from .vllm_0_11_0 import KV
+
+RUNNER_V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner"
 
 
 class Adapter(prev.Adapter):
@@ -48,6 +52,16 @@ class Adapter(prev.Adapter):
             remove_when="never for speculators 0.3/0.4",
         ),
         Change(
+            vllm="0.12.0",
+            what="model runner V2 appears (vllm/v1/worker/gpu/model_runner.py, opt-in): no persistent "
+            "input_batch; prepare_inputs() builds an InputBatch per step (req_ids, input_ids) and "
+            "warm-up runs execute_model(..., dummy_run=True)",
+            breaks="speculators 0.4's capture reads model_runner.input_batch: AttributeError on V2",
+            how="worker side: watch_batch() records each step's InputBatch, batch_order() and "
+            "step_token_ids() read it, is_warm_up() skips dummy runs (V1 runners keep the 0.11 path)",
+            remove_when="n/a",
+        ),
+        Change(
             vllm="0.15.0",
             what="kimi_k25.py appears; in 0.15.x KimiK25ForConditionalGeneration.get_language_model() "
             "returns a bare DeepseekV2Model, from 0.16.0 a DeepseekV2ForCausalLM",
@@ -62,8 +76,50 @@ class Adapter(prev.Adapter):
             Symbol(f"{KV}:get_kv_cache_config_from_groups",
                    accepts=("vllm_config", "kv_cache_groups", "available_memory"),
                    rejects=("kv_cache_specs",), why="kv_cache_config_from_groups"),
+            Symbol(f"{RUNNER_V2}.prepare_inputs", accepts=("scheduler_output",), why="worker: watch_batch (V2)"),
+            Symbol(f"{RUNNER_V2}.execute_model", accepts=("scheduler_output",), why="worker: capture wraps it"),
+            Symbol("vllm.v1.worker.gpu.input_batch:InputBatch", accepts=("req_ids", "input_ids"),
+                   why="worker: batch_order, step_token_ids (V2)"),
         ],
     )
+
+    # ------------------------------------------------------------------------------ worker side
+    # Model runner V2 (vllm/v1/worker/gpu/, opt-in from 0.12.0, the GPU default from 0.22-0.29) has
+    # no persistent input_batch: prepare_inputs() returns a fresh InputBatch per step, which holds
+    # the batch order (req_ids) and the step's token ids (input_ids, also with inputs_embeds).
+    @staticmethod
+    def _is_v2(runner: Any) -> bool:
+        return not hasattr(runner, "input_batch") and hasattr(runner, "prepare_inputs")
+
+    def is_warm_up(self, scheduler_output: Any, kwargs: dict[str, Any]) -> bool:
+        # The V2 runner profiles and warms up through execute_model(..., dummy_run=True) and with
+        # real steps of fake requests (outside a generate() call, so never collected).
+        return super().is_warm_up(scheduler_output, kwargs) or bool(kwargs.get("dummy_run"))
+
+    def watch_batch(self, runner: Any, on_batch: Any) -> list[tuple[Any, str, Any]]:
+        if not self._is_v2(runner):
+            return super().watch_batch(runner, on_batch)
+        prepare = runner.prepare_inputs
+
+        def prepare_inputs(_self: Any, *args: Any, **kwargs: Any) -> Any:
+            batch = prepare(*args, **kwargs)
+            on_batch(batch)
+            return batch
+
+        return [(runner, "prepare_inputs", types.MethodType(prepare_inputs, runner))]
+
+    def batch_order(self, runner: Any, batch: Any) -> list[str | None]:
+        if not self._is_v2(runner):
+            return super().batch_order(runner, batch)
+        if batch is None:
+            raise HiddenStatesError(f"{type(runner).__name__}: the step ran without prepare_inputs()")
+        return list(batch.req_ids)
+
+    def step_token_ids(self, runner: Any, batch: Any, num_tokens: int) -> Any:
+        if not self._is_v2(runner):
+            return super().step_token_ids(runner, batch, num_tokens)
+        ids = getattr(batch, "input_ids", None)
+        return ids[:num_tokens] if ids is not None else None
 
     def kv_cache_config_from_groups(self, fn: Any, **kw: Any) -> Any:
         kw.pop("kv_cache_specs", None)

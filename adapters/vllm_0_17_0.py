@@ -15,7 +15,6 @@ from speccompat.adapter import Change
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_12_0 as prev
-from .vllm_0_11_0 import EXEC
 
 
 class Adapter(prev.Adapter):
@@ -53,8 +52,6 @@ class Adapter(prev.Adapter):
             Symbol("vllm.v1.request:Request", accepts=("request_id", "prompt_token_ids", "sampling_params",
                                                        "pooling_params", "arrival_time", "block_hasher"),
                    rejects=("eos_token_id",), why="request"),
-            # Until 0.27 initialize_from_config warms up itself (distinguishes the 0.27 adapter).
-            Symbol(f"{EXEC}.compile_or_warm_up_model", absent=True, why="after_kv_cache_init: no warm-up"),
         ],
     )
 

@@ -28,9 +28,7 @@ class Adapter(prev.Adapter):
     requires = fingerprint(
         prev.Adapter.requires,
         [
-            Symbol(f"{EXEC}.compile_or_warm_up_model", why="after_kv_cache_init: warm-up"),
-            # No CPU MLA backend yet (distinguishes the 0.28 adapter).
-            Symbol("vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend", absent=True, why="vllm_config"),
+            Symbol(f"{EXEC}.compile_or_warm_up_model", new=True, why="after_kv_cache_init: warm-up"),
         ],
     )
 

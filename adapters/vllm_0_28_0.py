@@ -30,11 +30,8 @@ class Adapter(prev.Adapter):
     requires = fingerprint(
         prev.Adapter.requires,
         [
-            Symbol("vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend", why="vllm_config: CPU MLA"),
+            Symbol("vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend", new=True, why="vllm_config: CPU MLA"),
             Symbol("vllm.config:CompilationConfig", accepts=("custom_ops",), why="vllm_config"),
-            # The KV layout needs no resolving yet (distinguishes the 0.29 adapter).
-            Symbol("vllm.v1.attention.backends.utils:resolve_kv_cache_layout", absent=True,
-                   why="after_executor_start: nothing to resolve"),
         ],
     )
 

@@ -31,7 +31,7 @@ class Adapter(prev.Adapter):
     requires = fingerprint(
         prev.Adapter.requires,
         [
-            Symbol(LAYOUT, accepts=("vllm_config", "supported_layouts", "kv_cache_specs"),
+            Symbol(LAYOUT, accepts=("vllm_config", "supported_layouts", "kv_cache_specs"), new=True,
                    why="after_executor_start: layout"),
             Symbol(f"{EXEC}.get_supported_kv_cache_layouts"),
             Symbol(f"{EXEC}.get_kv_cache_specs"),

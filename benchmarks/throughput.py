@@ -3,6 +3,8 @@
 
 Modes (each runs in its own fresh process, one after the other, engine start-up excluded):
   generator  speculators' VllmHiddenStatesGenerator under speccompat (this project)
+  generator-views  the same with generate(copy=False): views of the worker's shared-memory
+             file instead of one copy per sequence and layer
   plain      vLLM's own prefill: LLM.generate(max_tokens=1), prefix caching off - the physical
              limit for this job (one prefill pass; no hidden states leave the engine)
   plain-sync the same with async scheduling off (the generator's engine loop is synchronous: it
@@ -12,6 +14,11 @@ Modes (each runs in its own fresh process, one after the other, engine start-up 
   native     vLLM's own `extract_hidden_states` speculative method + ExampleHiddenStatesConnector
              (the speculators 0.5+ path; vLLM >= 0.17, CUDA only): safetensors files in /dev/shm,
              each loaded back into a tensor like the generator returns
+  driver     the job users run, end to end: the generator feeding speccompat.dataset's writer
+             (one safetensors file per sample, checksums, manifest, fsync) in --driver-dir,
+             --driver-batch sequences per call; the timed part ends when the last file is durable.
+             driver-disk: the same into --disk-dir, next to that disk's own fsync'd sequential
+             write bandwidth measured in the same run (disk_write_gbps)
 
     python benchmarks/throughput.py --out results.json [--model llama] [--sequences 128] ...
 
@@ -37,6 +44,16 @@ from pathlib import Path
 from _results import write  # benchmarks/_results.py
 
 LAYER_IDS = [0, 2, 4, 5]
+
+#: Named configurations: a checkpoint shape and workload measured on the H200 (docs/benchmarks.md).
+#: ``8b``: a Llama-3-8B-shaped random checkpoint (bf16, 13 GiB), 256 sequences of 256-768 tokens.
+CONFIGS = {
+    "8b": {
+        "set": ["hidden_size=4096", "intermediate_size=14336", "num_hidden_layers=32",
+                "num_attention_heads=32", "num_key_value_heads=8"],
+        "sequences": 256, "min_len": 256, "max_len": 768, "max_model_len": 2048, "gpu_memory_utilization": 0.5,
+    },
+}
 
 
 def sequences(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
@@ -69,6 +86,8 @@ def run_mode(args: argparse.Namespace) -> dict:
             assert len(out) == len(batch)
     elif args.mode == "native":
         extract = native_extractor(args)
+    elif args.mode in ("driver", "driver-disk"):
+        extract = driver_extractor(args)
     else:
         if args.mode == "original":
             os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
@@ -80,12 +99,15 @@ def run_mode(args: argparse.Namespace) -> dict:
         gen = VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
                                         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
 
+        views = {"copy": False} if args.mode == "generator-views" else {}
+
         def extract(batch):
-            res = gen.generate(batch)
+            res = gen.generate(batch, **views)
             assert len(res) == len(batch)
             extract.stats = getattr(gen, "_speccompat_stats", None)  # phases of the last call
 
     startup = time.perf_counter() - t0
+    pss = PssSampler()
     # Warm-up, not timed: one pass over the first workload (steady state: engine caches warm, the
     # worker's staging buffer grown and pinned, as after the first batch of a long extraction).
     for batch in batches(workloads[0]):
@@ -107,7 +129,7 @@ def run_mode(args: argparse.Namespace) -> dict:
                         "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
                         **({"last_call": extract.stats} if getattr(extract, "stats", None) else {})})
     return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results,
-            "peak_rss_mb": round(tree_peak_rss() / 1024, 1)}
+            "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
 
 
 def native_extractor(args: argparse.Namespace):
@@ -143,6 +165,121 @@ def native_extractor(args: argparse.Namespace):
     return extract
 
 
+def driver_extractor(args: argparse.Namespace):
+    """The generator feeding speccompat.dataset's writer: what examples/*/extract_hidden_states.py
+    runs per batch. Each timed call writes a fresh data set (a new directory under the output
+    root) and returns when every file, its checksum and its manifest entry are durable."""
+    import itertools
+
+    from speccompat.dataset import collect_provenance, open_dataset, read_model_info, scan_jsonl
+
+    import speccompat
+
+    speccompat.apply()
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    gen = VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
+                                    gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
+    info = read_model_info(args.model_path)
+    prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=LAYER_IDS, dtype="bfloat16",
+                              max_seq_len=args.max_model_len - 1, on_long_line="fail",
+                              tensor_parallel_size=args.tp, layout="safetensors", status=speccompat.status())
+    root = Path(args.disk_dir if args.mode == "driver-disk" else args.driver_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    counter = itertools.count()
+
+    def extract(batch):
+        out = Path(tempfile.mkdtemp(prefix="ds-", dir=root))
+        data = out.with_suffix(".jsonl")
+        data.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": s}) + "\n" for i, s in enumerate(batch)))
+        scan = scan_jsonl(data, vocab_size=info.vocab_size, max_seq_len=args.max_model_len - 1, on_long="fail")
+        ds = open_dataset(out, scan.samples, prov)
+        writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
+        for first in range(0, len(ds.todo), args.driver_batch):
+            part = ds.todo[first:first + args.driver_batch]
+            res = gen.generate([list(s.input_ids) for s in part])
+            writer.submit([ds.job(s, r["hidden_states"]) for s, r in zip(part, res, strict=True)])
+        stats = writer.close()
+        extract.stats = {**(getattr(gen, "_speccompat_stats", None) or {}), "files": stats.files,
+                         "bytes": stats.bytes, "engine_waited_s": round(stats.waited_s, 3), "call": next(counter)}
+        assert stats.files == len(batch), (stats.files, len(batch))
+        shutil.rmtree(out, ignore_errors=True)  # the next call (and the page cache) starts clean
+        data.unlink()
+
+    return extract
+
+
+def disk_write_gbps(directory: str, total: int = 4 << 30, block: int = 16 << 20) -> float:
+    """The disk's own fsync'd sequential write bandwidth (as ``dd bs=16M conv=fsync``), GB/s."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "speccompat-dd.bin")
+    buf = os.urandom(block)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for _ in range(total // block):
+            os.write(fd, buf)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return round(total / (time.perf_counter() - t0) / 1e9, 3)
+
+
+def _tree(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in tree]
+        tree.update(kids)
+        frontier += kids
+    return tree
+
+
+class PssSampler:
+    """Peak of the process tree's summed proportional set size (kB), sampled every 0.25 s.
+
+    Unlike the sum of each process's peak RSS, PSS counts a shared page once across the processes
+    that map it (the workers' shared-memory staging files are mapped by the driver too)."""
+
+    def __init__(self, every: float = 0.25) -> None:
+        import threading
+
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def sample() -> int:
+        total = 0
+        for pid in _tree(os.getpid()):
+            try:
+                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+                        break
+            except OSError:
+                pass
+        return total
+
+    def _run(self, every: float) -> None:
+        while not self._stop.wait(every):
+            self.peak = max(self.peak, self.sample())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self.sample())
+
+
 def tree_peak_rss() -> int:
     """Sum of the peak resident set (VmHWM, kB) of this process and its live descendants."""
     def hwm(pid: int) -> int:
@@ -154,27 +291,16 @@ def tree_peak_rss() -> int:
             pass
         return 0
 
-    parents: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    tree, frontier = {os.getpid()}, [os.getpid()]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parents.items() if pp == p and c not in tree]
-        tree.update(kids)
-        frontier += kids
-    return sum(hwm(p) for p in tree)
+    return sum(hwm(p) for p in _tree(os.getpid()))
 
 
 def spawn_mode(mode: str, args: argparse.Namespace, inputs: Path) -> dict:
     out = Path(tempfile.mkdtemp()) / "result.json"
     cmd = [sys.executable, __file__, "--child", mode, "--inputs", str(inputs), "--child-out", str(out),
            "--model-path", str(args.model_path), "--max-model-len", str(args.max_model_len),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp)]
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp),
+           "--driver-dir", args.driver_dir, "--disk-dir", args.disk_dir, "--driver-batch", str(args.driver_batch),
+           "--writer-threads", str(args.writer_threads), "--max-in-flight-gb", str(args.max_in_flight_gb)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"mode": mode, "error": (proc.stderr or proc.stdout)[-3000:]}
@@ -183,6 +309,8 @@ def spawn_mode(mode: str, args: argparse.Namespace, inputs: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", choices=sorted(CONFIGS), help="a named configuration (sets the checkpoint "
+                    "shape, workload and engine options below; explicit options still win)")
     ap.add_argument("--model", default="llama", help="tiny checkpoint kind (speccompat.testing.models)")
     ap.add_argument("--model-path", help="use this checkpoint instead of making a tiny one")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
@@ -194,13 +322,25 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--modes", nargs="+", default=["generator", "plain"], choices=["generator", "plain", "plain-sync", "original", "native"])
+    ap.add_argument("--modes", nargs="+", default=["generator", "plain"],
+                    choices=["generator", "generator-views", "plain", "plain-sync", "original", "native",
+                             "driver", "driver-disk"])
+    ap.add_argument("--driver-dir", default="/dev/shm/speccompat-bench" if os.path.isdir("/dev/shm") else
+                    os.path.join(tempfile.gettempdir(), "speccompat-bench"), help="driver mode: output root")
+    ap.add_argument("--disk-dir", default=os.path.join(tempfile.gettempdir(), "speccompat-bench-disk"),
+                    help="driver-disk mode: output root on the disk to measure")
+    ap.add_argument("--driver-batch", type=int, default=64, help="driver modes: sequences per generate() call")
+    ap.add_argument("--writer-threads", type=int, default=4, help="driver modes: writer threads")
+    ap.add_argument("--max-in-flight-gb", type=float, default=8.0, help="driver modes: in-flight budget")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
     ap.add_argument("--sweep", action="store_true", help="also measure scaling with batch size and length")
     ap.add_argument("--out", help="write the JSON result here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    chosen, _ = ap.parse_known_args()
+    if chosen.config:
+        ap.set_defaults(**CONFIGS[chosen.config])
     args = ap.parse_args()
     if args.child:
         args.mode = args.child
@@ -225,6 +365,8 @@ def main() -> int:
     inputs = work / "inputs.json"
     inputs.write_text(json.dumps(workloads))
     results: dict[str, dict] = {}
+    if "driver-disk" in args.modes:
+        results["disk"] = {"mode": "disk", "dir": args.disk_dir, "disk_write_gbps": disk_write_gbps(args.disk_dir)}
     for mode in args.modes:
         runs = [spawn_mode(mode, args, inputs) for _ in range(args.repeat)]
         ok = [r for r in runs if "error" not in r]
@@ -233,6 +375,13 @@ def main() -> int:
         text = write(document(args, main_seqs, workloads, results), args.out, echo=False)
     print(text)
     return 0
+
+
+def hidden_size(args: argparse.Namespace) -> int:
+    try:
+        return int(json.loads((Path(args.model_path) / "config.json").read_text()).get("hidden_size", 0))
+    except (OSError, ValueError):
+        return 0
 
 
 def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], results: dict) -> dict:
@@ -259,9 +408,16 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
 
     ratios = {}
     for w in workloads:
-        g = tps("generator", w["name"])
-        ratios[w["name"]] = {f"generator/{other}": round(g / t, 3) if g and t else None
+        ratios[w["name"]] = {f"{mine}/{other}": round(g / t, 3) if g and t else None
+                             for mine in ("generator", "generator-views", "driver", "driver-disk")
+                             for g in [tps(mine, w["name"])]
                              for other in ("plain", "plain-sync", "original", "native") for t in [tps(other, w["name"])]}
+        ratios[w["name"]] = {k: v for k, v in ratios[w["name"]].items() if v is not None}
+        bytes_per_token = len(LAYER_IDS) * 2 * hidden_size(args)
+        d = tps("driver-disk", w["name"])
+        disk = results.get("disk", {}).get("disk_write_gbps")
+        if d and disk and bytes_per_token:
+            ratios[w["name"]]["driver-disk GB/s / disk GB/s"] = round(d * bytes_per_token / 1e9 / disk, 3)
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),

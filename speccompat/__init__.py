@@ -1,7 +1,7 @@
 """speccompat: keep speculators 0.3/0.4 hidden-state extraction working on every vLLM release.
 
     import speccompat
-    speccompat.apply()          # before (or after) importing speculators
+    speccompat.apply()          # before importing speculators (see apply() for "after")
     from speculators.data_generation import VllmHiddenStatesGenerator
 
 ``apply()`` detects the installed vLLM and speculators, selects a versioned adapter, and patches the

@@ -17,6 +17,7 @@ class State:
         self.speculators: Any = None
         self.adapter_cls: Any = None  # chosen by version at apply() time
         self.adapter: Any = None  # confirmed by the live probe when speculators imports vLLM
+        self.expected: str | None = None  # in a process vLLM started: the adapter the driver chose
         self.selection = ""
         self.probe = "pending"  # pending | matched | failed
         self.mismatches: list[str] = []

@@ -7,8 +7,11 @@ vLLM release therefore means one new module (plus one ``compat_matrix.yaml`` row
 modules in order reads the history of the internals speculators touches.
 
 The operations are called from the patches in :mod:`speccompat.patches` (names speculators imported
-from vLLM, replaced in speculators' own module namespace) and from the fixed ``generate``
-(:mod:`speccompat.generator`). They never change vLLM's own modules.
+from vLLM, replaced in speculators' own module namespace), from the fixed ``generate``
+(:mod:`speccompat.generator`) and, inside vLLM's worker processes, from the capture
+(:mod:`speccompat.capture`: what it reads of the model runner and the scheduler output). They never
+change vLLM's own modules. Every vLLM symbol an operation reads is in the adapter's fingerprint, so
+a vLLM that renamed one is refused when speculators imports it, naming the symbol.
 """
 
 from __future__ import annotations
@@ -107,4 +110,40 @@ class Adapter:
 
     def unique_reply(self, reply: Any) -> Any:
         """Normalise the reply of ``collective_rpc(..., unique_reply_rank=0)`` to the bare value."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------- worker side (capture)
+    def decoder_layers(self, model: Any) -> tuple[Any, Any]:
+        """``(base model, its decoder layers)`` of the loaded model, under any multimodal wrapper."""
+        raise NotImplementedError
+
+    def step_of(self, scheduler_output: Any) -> tuple[dict[str, int], int, dict[str, list[int]]]:
+        """``(tokens scheduled per request, total, prompt token ids of the requests new in it)``."""
+        raise NotImplementedError
+
+    def is_warm_up(self, scheduler_output: Any, kwargs: dict[str, Any]) -> bool:
+        """Whether a call of the runner's ``execute_model`` is profiling or warm-up, not a real step."""
+        raise NotImplementedError
+
+    def watch_batch(self, runner: Any, on_batch: Any) -> list[tuple[Any, str, Any]]:
+        """Instance attributes to set on ``runner`` so that ``on_batch(batch)`` sees each step's
+        batch where the runner builds one per step (``[]`` where :meth:`batch_order` reads it)."""
+        raise NotImplementedError
+
+    def batch_order(self, runner: Any, batch: Any) -> list[str | None]:
+        """Request ids in the order the runner laid the step's tokens out (``batch``: what
+        :meth:`watch_batch` recorded, or ``None``)."""
+        raise NotImplementedError
+
+    def step_positions(self, positions: Any) -> Any:
+        """The 1-D token positions of a step from the ``positions`` the model was called with."""
+        raise NotImplementedError
+
+    def step_token_ids(self, runner: Any, batch: Any, num_tokens: int) -> Any:
+        """The step's token ids from the runner's own buffers, for models called with
+        ``inputs_embeds`` and ``input_ids=None`` (multimodal); ``None`` when they cannot be read."""
+        raise NotImplementedError
+
+    def gather_layer_output(self, stream: Any, num_tokens_padded: int, tp_size: int) -> Any:
+        """A decoder layer's output for every token of the step (sequence-parallel shards gathered)."""
         raise NotImplementedError

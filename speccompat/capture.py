@@ -18,7 +18,15 @@ Here vLLM's own forward always runs. Capture is three small, removable attachmen
 Every token is then attributed by the runner's own batch order and *verified*: the positions of
 each request's slice must continue where its previous slice ended, and its token ids must equal its
 prompt. Misattribution, a missing chunk or a duplicated chunk raises :class:`HiddenStatesError`
-naming the request, instead of producing plausible but wrong training data.
+naming the request, instead of producing plausible but wrong training data. Multimodal models
+(Kimi-K2.5) are called with ``inputs_embeds`` and ``input_ids=None``: their token ids are read from
+the runner's own buffers instead; a step whose ids cannot be read at all is counted
+(``unverified_steps`` in the call's stats) and is an error in strict mode.
+
+What differs between vLLM releases here (how the runner exposes the batch order, warm-up calls,
+M-RoPE positions, sequence-parallel shards, the multimodal wrapper, the scheduler output's
+fields) is asked of the adapter (:class:`speccompat.adapter.Adapter`, "worker side"), whose
+fingerprint holds the vLLM symbols those operations read.
 """
 
 from __future__ import annotations
@@ -36,28 +44,15 @@ __all__ = ["WorkerCapture", "find_decoder_layers"]
 logger = logging.getLogger("speccompat.capture")
 
 
-def find_decoder_layers(model: Any) -> tuple[Any, Any]:
-    """Return ``(base_model, layers)`` for a vLLM model, under any multimodal wrapper.
+def find_decoder_layers(model: Any, adapter: Any = None) -> tuple[Any, Any]:
+    """``(base_model, layers)`` of a vLLM model, as the adapter finds them (see ``decoder_layers``)."""
+    return (adapter or _adapter()).decoder_layers(model)
 
-    Handles ``model.model.layers`` (text models), ``get_language_model()`` returning a CausalLM
-    (Kimi-K2.5 from vLLM 0.16) or a bare base model (0.15.x).
-    """
-    candidates = []
-    if hasattr(model, "get_language_model"):
-        try:
-            lm = model.get_language_model()
-        except Exception:  # noqa: BLE001 - some wrappers raise when they have no LM
-            lm = None
-        if lm is not None:
-            candidates += [getattr(lm, "model", None), lm]
-    candidates += [getattr(model, "model", None), model]
-    for cand in candidates:
-        if cand is not None and hasattr(cand, "layers") and hasattr(cand, "forward"):
-            return cand, cand.layers
-    raise HiddenStatesError(
-        f"cannot find decoder layers in {type(model).__name__} "
-        "(looked at get_language_model().model, get_language_model(), .model and the model itself)"
-    )
+
+def _adapter() -> Any:
+    from ._state import STATE
+
+    return STATE.require_adapter()
 
 
 #: Exponent bits of 16-bit floats: all ones means inf or nan.
@@ -77,7 +72,7 @@ def all_finite(t: Any) -> bool:
 @dataclass
 class _Step:
     scheduled: dict[str, int]
-    prompts: dict[str, list[int]]
+    batch: Any = None  # what the adapter's watch_batch recorded for this step (V2 runner)
     order: list[str] | None = None
     num_tokens: int = 0
     positions: Any = None
@@ -89,12 +84,17 @@ class _Step:
 class WorkerCapture:
     """Capture state of one worker. Created by ``_setup_hidden_states_capture``."""
 
-    def __init__(self, worker: Any, layer_ids: list[int]) -> None:
+    def __init__(self, worker: Any, layer_ids: list[int], adapter: Any = None, strict: bool | None = None) -> None:
         from vllm.distributed import get_tp_group
 
+        from ._state import STATE
+
+        self.adapter = adapter or STATE.require_adapter()
+        #: Strict mode: a step whose token ids cannot be verified is an error, not a counted step.
+        self.strict = STATE.strict if strict is None else strict
         self.worker = worker
         self.runner = worker.model_runner
-        self.base_model, self.layers = find_decoder_layers(self.runner.model)
+        self.base_model, self.layers = self.adapter.decoder_layers(self.runner.model)
         n = len(self.layers)
         bad = [i for i in layer_ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n]
         if bad:
@@ -141,8 +141,8 @@ class WorkerCapture:
         runner_execute = self.runner.execute_model
 
         def execute_model(_self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            if not self.collecting or kwargs.get("dummy_run") or scheduler_output is None:
-                # Profiling, warm-up (the V2 runner warms up with real steps of fake requests).
+            if not self.collecting or self.adapter.is_warm_up(scheduler_output, kwargs):
+                # Profiling, warm-up (outside a generate() call, also real steps of fake requests).
                 return runner_execute(scheduler_output, *args, **kwargs)
             self.active = self._open_step(scheduler_output)
             try:
@@ -154,17 +154,12 @@ class WorkerCapture:
 
         self._set_instance_attr(self.runner, "execute_model", types.MethodType(execute_model, self.runner))
 
-        if not hasattr(self.runner, "input_batch") and hasattr(self.runner, "prepare_inputs"):
-            # Model runner V2: the batch order lives in the InputBatch prepare_inputs returns.
-            runner_prepare = self.runner.prepare_inputs
+        def on_batch(batch: Any) -> None:
+            if self.active is not None:
+                self.active.batch = batch
 
-            def prepare_inputs(_self: Any, *args: Any, **kwargs: Any) -> Any:
-                batch = runner_prepare(*args, **kwargs)
-                if self.active is not None:
-                    self.active.order = [r for r in batch.req_ids if r in self.active.scheduled]
-                return batch
-
-            self._set_instance_attr(self.runner, "prepare_inputs", types.MethodType(prepare_inputs, self.runner))
+        for obj, name, value in self.adapter.watch_batch(self.runner, on_batch):
+            self._set_instance_attr(obj, name, value)
 
     def _set_instance_attr(self, obj: Any, name: str, value: Any) -> None:
         self._attached.append((obj, name))
@@ -182,12 +177,9 @@ class WorkerCapture:
 
     # ----------------------------------------------------------------------------------- steps
     def _open_step(self, so: Any) -> _Step:
-        for new in getattr(so, "scheduled_new_reqs", ()) or ():
-            ids = getattr(new, "prompt_token_ids", None)
-            if ids is not None:
-                self.prompts[new.req_id] = list(ids)
-        scheduled = dict(so.num_scheduled_tokens)
-        return _Step(scheduled=scheduled, prompts=self.prompts, num_tokens=int(so.total_num_scheduled_tokens))
+        scheduled, total, prompts = self.adapter.step_of(so)
+        self.prompts.update(prompts)
+        return _Step(scheduled=scheduled, num_tokens=total)
 
     def _record_inputs(self, step: _Step, args: tuple, kwargs: dict) -> None:
         names = ("input_ids", "positions")
@@ -196,21 +188,17 @@ class WorkerCapture:
         positions = vals.get("positions")
         if positions is None:
             raise HiddenStatesError("the model was called without positions; cannot attribute tokens")
-        if positions.dim() > 1:  # M-RoPE: (3, num_tokens)
-            positions = positions[0]
+        positions = self.adapter.step_positions(positions)
         n = step.num_tokens
         step.positions = positions[:n].clone()
         ids = vals.get("input_ids")
+        if ids is None:  # inputs_embeds (multimodal): the runner's own buffers hold the token ids
+            ids = self.adapter.step_token_ids(self.runner, step.batch, n)
         step.input_ids = ids[:n].clone() if ids is not None else None
         step.padded_tokens = positions.shape[0]
         if step.order is None:
-            batch = getattr(self.runner, "input_batch", None)
-            if batch is None:
-                raise HiddenStatesError(
-                    f"cannot read the batch order from {type(self.runner).__name__}: it has neither "
-                    "input_batch (V1 runner) nor a recorded prepare_inputs batch (V2 runner)"
-                )
-            step.order = [r for r in batch.req_ids if r is not None and r in step.scheduled]
+            order = self.adapter.batch_order(self.runner, step.batch)
+            step.order = [r for r in order if r is not None and r in step.scheduled]
 
     def _layer_hook(self, layer_id: int):
         def hook(_module: Any, _inputs: Any, output: Any) -> None:
@@ -222,11 +210,7 @@ class WorkerCapture:
                 stream = hidden + residual if residual is not None else hidden.clone()
             else:
                 stream = output.clone()
-            if stream.shape[0] < step.padded_tokens and self.tp_size > 1:
-                # Sequence-parallel MoE keeps a token shard per TP rank between layers.
-                from vllm.distributed import tensor_model_parallel_all_gather
-
-                stream = tensor_model_parallel_all_gather(stream.contiguous(), 0)
+            stream = self.adapter.gather_layer_output(stream, step.padded_tokens, self.tp_size)
             if self.keep:
                 step.layers[layer_id] = stream[: step.num_tokens]
 
@@ -239,14 +223,14 @@ class WorkerCapture:
         self.collecting = collecting
 
     # -------------------------------------------------------------------------------- assembly
-    def collect(self, req_ids: list[str]) -> dict[str, Any] | None:
+    def collect(self, req_ids: list[str], busy: Any = ()) -> dict[str, Any] | None:
         """Verify and pack the states of ``req_ids`` (in that order). Only TP rank 0 answers."""
         try:
-            return self._collect(req_ids) if self.keep else None
+            return self._collect(req_ids, busy) if self.keep else None
         finally:
             self.reset(collecting=False)
 
-    def _collect(self, req_ids: list[str]) -> dict[str, Any]:
+    def _collect(self, req_ids: list[str], busy: Any = ()) -> dict[str, Any]:
         import time
 
         import numpy as np
@@ -255,7 +239,7 @@ class WorkerCapture:
         t0 = time.perf_counter()
         chunks: dict[str, list[tuple[int, int]]] = {}  # rid -> [(row in all steps' tokens, n)]
         done: dict[str, int] = {}
-        restarts = base = 0
+        restarts = base = unverified = 0
         for k, step in enumerate(self.steps):
             if len(step.layers) != len(self.layer_ids):
                 missing = sorted(set(self.layer_ids) - set(step.layers))
@@ -284,7 +268,15 @@ class WorkerCapture:
                 bad = int(np.flatnonzero(pos != expected)[0])
                 rid = step.order[int(np.searchsorted(offsets, bad, side="right")) - 1]
                 raise self._misplaced(k, rid, pos, step, done.get(rid, 0))
-            if step.input_ids is not None and all(rid in self.prompts for rid in step.order):
+            if step.input_ids is None or not all(rid in self.prompts for rid in step.order):
+                if self.strict:
+                    raise HiddenStatesError(
+                        f"step {k}: its token ids could not be read (the model was called without "
+                        "input_ids and the runner's buffers hold none), so the tokens of "
+                        f"{step.order} cannot be verified against their prompts (strict mode)"
+                    )
+                unverified += 1
+            else:
                 want = [t for rid, s0, n in zip(step.order, starts, sizes.tolist(), strict=True)
                         for t in self.prompts[rid][s0 : s0 + n]]
                 ids = step.input_ids.cpu().numpy()
@@ -313,7 +305,7 @@ class WorkerCapture:
             np.concatenate([np.arange(row, row + n) for rid in req_ids for row, n in chunks[rid]]))
         first = self.steps[0].layers[self.layer_ids[0]]
         states, buf = self.staging.allocate((len(self.layer_ids), len(index), first.shape[-1]), first.dtype,
-                                            first.device)
+                                            first.device, busy=busy)
         nonfinite = {}
         for i, layer_id in enumerate(self.layer_ids):
             every = torch.cat([s.layers[layer_id] for s in self.steps], dim=0)
@@ -332,6 +324,7 @@ class WorkerCapture:
             "steps": len(self.steps),
             "chunked": sum(1 for rid in req_ids if len(chunks[rid]) > 1),
             "restarted": restarts,
+            "unverified_steps": unverified,  # steps whose token ids could not be checked
             "worker_verify_s": round(t_verified - t0, 4),
             "worker_gather_s": round(t_gathered - t_verified, 4),
         }
@@ -364,7 +357,7 @@ def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
     if old is not None:
         old.detach()
     self._speccompat_capture = WorkerCapture(self, list(layer_ids))
-    logger.info("speccompat: capturing layers %s (hooks on decoder layers)", list(layer_ids))
+    logger.info("capturing layers %s (hooks on decoder layers)", list(layer_ids))
 
 
 def reset_capture(self: Any) -> None:
@@ -375,14 +368,16 @@ def reset_capture(self: Any) -> None:
     cap.reset()
 
 
-def get_captured_states(self: Any, req_ids: list[str] | None = None) -> dict[str, Any] | None:
-    """Replacement for ``HiddenStatesWorkerExtension._get_captured_states``."""
+def get_captured_states(self: Any, req_ids: list[str] | None = None, busy: list[str] | None = None
+                        ) -> dict[str, Any] | None:
+    """Replacement for ``HiddenStatesWorkerExtension._get_captured_states``. ``busy``: staging files
+    the driver still holds views of (speccompat.transport.busy), which this reply must not overwrite."""
     cap = getattr(self, "_speccompat_capture", None)
     if cap is None:
         raise RuntimeError("Must call _setup_hidden_states_capture before capturing states")
     if req_ids is None:
         req_ids = list(dict.fromkeys(r for s in cap.steps for r in s.order or ()))
-    return cap.collect(list(req_ids))
+    return cap.collect(list(req_ids), busy or ())
 
 
 def worker_info(self: Any) -> dict[str, Any]:

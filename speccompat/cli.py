@@ -53,8 +53,66 @@ def _torch_platform() -> dict[str, Any]:
     return info
 
 
-def doctor_report(import_speculators: bool = True) -> tuple[dict[str, Any], int]:
-    """Everything ``doctor`` prints, as a dict, and the exit code (0 = supported combination)."""
+def _environment_speculators(version: str | None) -> str | None:
+    """In an environment built by ``scripts/mkenv.py`` (``sys.prefix/speccompat-env.json``), put
+    its speculators ``version`` on the path (workers too) - by default the newest, and only when
+    no speculators is importable otherwise. Returns the version chosen, or None."""
+    import importlib.util
+
+    from .demo import use_speculators
+
+    if version is None and importlib.util.find_spec("speculators") is not None:
+        return None
+    return use_speculators(version)
+
+
+def _verdict(report: dict[str, Any], status: Any, import_speculators: bool) -> tuple[str, int]:
+    """The verdict and exit code, claiming only what was checked here."""
+    from speccompat.matrix import known_releases
+
+    row = status.matrix_row
+    cell = row["status"] if row is not None else None
+    problems = list(report.get("import_errors", []))
+    plug = report["plugin"]
+    if not plug["registered"] or not plug["enabled"]:
+        problems.append("the worker plugin is " + ("not registered" if not plug["registered"] else "disabled"))
+    fp = report.get("fingerprints")
+    adapter = status.adapter
+    if status.state not in ("active", "armed"):
+        problems.append(f"speccompat is {status.state}" + (f": {status.warnings[-1]}" if status.warnings else "")
+                        + (f": {status.errors[-1]}" if status.errors else ""))
+    elif import_speculators and status.state == "armed" and not problems:
+        problems.append("speculators' modules were imported, yet no adapter was confirmed")
+    elif fp is None:
+        problems.append("vLLM could not be probed: " + report.get("fingerprints_error", "no vLLM"))
+    elif fp.get(adapter):
+        matching = [name for name, mm in fp.items() if not mm]
+        if status.state == "armed" and len(matching) == 1 and status.vllm.get("raw") and \
+                status.vllm["raw"].split("+")[0] not in known_releases():
+            adapter = matching[0]  # what apply() would choose for a nightly when speculators imports vLLM
+        else:
+            problems.append(f"vLLM {status.vllm.get('raw')} drifted from adapter {adapter}: {fp[adapter][0]}")
+    if not import_speculators and not problems:
+        report["note"] = ("--no-import: speculators was not imported, so its patches were not applied here; "
+                          "the verdict rests on the live fingerprint probe")
+    report["adapter_probed"] = adapter
+    if problems:
+        return "NOT supported: " + "; ".join(problems), 1
+    if cell == "supported":
+        return "supported: an end-to-end parity run of this exact combination is on record", 0
+    if cell == "static":
+        return ("static only: the adapter's fingerprint matches this vLLM, but no end-to-end "
+                "run of this combination is on record"), 3
+    return f"unverified: no compat_matrix.yaml row; the live probe matched adapter {adapter}", 3
+
+
+def doctor_report(import_speculators: bool = True, speculators: str | None = None) -> tuple[dict[str, Any], int]:
+    """Everything ``doctor`` prints, as a dict, and the exit code (0 = supported combination).
+
+    ``speculators``: the version of a ``scripts/mkenv.py`` environment to diagnose (default: the
+    environment's newest when speculators is not importable otherwise).
+    """
+    chosen = _environment_speculators(speculators)
     import speccompat
     from speccompat.registry import all_adapters, by_version, match_live
 
@@ -65,6 +123,7 @@ def doctor_report(import_speculators: bool = True) -> tuple[dict[str, Any], int]
         "packages": {d: _version(d) for d in PACKAGES},
         "plugin": _plugin(),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("SPECCOMPAT_", "VLLM_"))},
+        "speculators_from_environment": chosen,
     }
     status = speccompat.apply()
     report["platform"] = _torch_platform()
@@ -90,20 +149,7 @@ def doctor_report(import_speculators: bool = True) -> tuple[dict[str, Any], int]
         sel = by_version(Version(vllm_version)) if status.vllm.get("raw") else None
         report["adapter_by_version"] = sel.name() if sel else None
     report["adapters"] = [f"{a.name()} (vLLM >= {a.since})" for a in all_adapters()]
-    row = status.matrix_row
-    works = (
-        status.state == "active" or (status.state == "armed" and not import_speculators)
-    ) and not report.get("import_errors") and report["plugin"]["registered"] and report["plugin"]["enabled"]
-    cell = row["status"] if row is not None else None
-    if works and cell == "supported":
-        verdict, code = "supported: an end-to-end parity run of this exact combination is on record", 0
-    elif works and cell == "static":
-        verdict, code = ("static only: the adapter's fingerprint matches this vLLM, but no end-to-end "
-                         "run of this combination is on record"), 3
-    elif works:
-        verdict, code = "unverified: no compat_matrix.yaml row; the live probe matched an adapter", 3
-    else:
-        verdict, code = "NOT supported", 1
+    verdict, code = _verdict(report, status, import_speculators)
     report["supported"] = code == 0
     report["verdict"] = verdict
     return report, code
@@ -125,6 +171,8 @@ def _print_doctor(report: dict[str, Any]) -> None:
         + (f"registered -> {plug['entry_point']}" if plug["registered"] else "NOT registered (install speccompat)")
         + ("" if plug["enabled"] else f"; DISABLED: {plug['note']}")
     )
+    if report.get("speculators_from_environment"):
+        print(f"speculators {report['speculators_from_environment']} of this environment (speccompat-env.json)")
     print(report["status_text"])
     for err in report.get("import_errors", []):
         print(f"  import error: {err}")
@@ -136,6 +184,8 @@ def _print_doctor(report: dict[str, Any]) -> None:
         print(f"fingerprints: cannot probe vLLM: {report['fingerprints_error']}")
     if report.get("env"):
         print("environment: " + ", ".join(f"{k}={v}" for k, v in sorted(report["env"].items())))
+    if report.get("note"):
+        print(f"note: {report['note']}")
     print(f"verdict: {report['verdict']}")
 
 
@@ -146,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                        "(exit 0 supported, 3 works but not run end to end, 1 not supported)")
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.add_argument("--no-import", action="store_true", help="do not import speculators (faster, fewer checks)")
+    d.add_argument("--speculators", help="speculators version of a scripts/mkenv.py environment (default: its "
+                   "newest, when speculators is not importable otherwise)")
     demo = sub.add_parser("demo", help="make a tiny model and extract its hidden states through speculators")
     demo.add_argument("--model", default="llama", choices=("llama", "deepseek_v3"))
     demo.add_argument("--workdir", default=".speccompat-demo")
@@ -157,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd in (None, "doctor"):
         as_json = getattr(args, "json", False)
-        report, code = doctor_report(import_speculators=not getattr(args, "no_import", False))
+        report, code = doctor_report(import_speculators=not getattr(args, "no_import", False),
+                                     speculators=getattr(args, "speculators", None))
         if as_json:
             json.dump(report, sys.stdout, indent=2, default=str)
             print()

@@ -110,12 +110,18 @@ def validate_results(
                 raise HiddenStatesError(f"sequence {i}, layer {layer}: non-finite values in {bad} of {len(seq)} tokens")
 
 
-def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
+def compat_generate(self: Any, token_ids: Any, *, copy: bool = True) -> list[dict[str, Any]]:
     """Extract hidden states of the prefill of each sequence (speculators' contract, fixed).
 
     Returns, in input order, one dict per sequence: ``input_ids`` (LongTensor [n]),
     ``hidden_states`` (one tensor [n, hidden_size] per layer id, the residual stream after that
     decoder layer, before the final norm) and ``loss_mask`` (``None``).
+
+    ``copy=False`` (speccompat's own keyword; speculators' signature is ``generate(token_ids)``)
+    skips the copy-out: each tensor is then a view of the shared-memory file the worker filled,
+    which is kept from reuse for as long as any view of it lives. Views share one storage:
+    ``torch.save`` of one of them writes the whole batch, so write views as raw data (safetensors,
+    ``speccompat.dataset``) or ``clone()`` what you keep.
     """
     import torch
 
@@ -179,7 +185,7 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     logger.debug("speccompat: %d sequences in %d steps", len(seqs), steps)
 
     reply = adapter.unique_reply(
-        executor.collective_rpc("_get_captured_states", args=(req_ids,), unique_reply_rank=0)
+        executor.collective_rpc("_get_captured_states", args=(req_ids, transport.busy()), unique_reply_rank=0)
     )
     if not reply:
         raise HiddenStatesError("the workers returned no captured states")
@@ -203,9 +209,11 @@ def compat_generate(self: Any, token_ids: Any) -> list[dict[str, Any]]:
     if tuple(states.shape) != (len(self.layer_ids), sum(lengths), model_config.get_hidden_size()):
         raise HiddenStatesError(f"packed states have shape {tuple(states.shape)}, expected "
                                 f"({len(self.layer_ids)}, {sum(lengths)}, {model_config.get_hidden_size()})")
-    # Copies: each sequence and layer owns its memory (saving one does not save the whole batch, and
-    # `states` is the worker's staging buffer, overwritten by the next call).
-    hidden = copy_out(torch.split(states, lengths, dim=1))
+    # Copies: each sequence and layer owns its memory (saving one does not save the whole batch). Views
+    # (copy=False) keep the worker's staging file from reuse while they live (transport.busy).
+    parts = torch.split(states, lengths, dim=1)
+    hidden = copy_out(parts) if copy else [list(p.unbind(0)) for p in parts]
+    del parts, states
     results = [
         {"input_ids": torch.tensor(seq, dtype=torch.long), "hidden_states": hidden[i], "loss_mask": None}
         for i, seq in enumerate(seqs)

@@ -13,11 +13,32 @@ Three groups, one per speculators module, each applied all-or-nothing when that 
 from __future__ import annotations
 
 import functools
+import logging
+import weakref
 from typing import Any
 
+from . import patching
+from ._state import STATE
+from .errors import SpeccompatError, WorkerPatchError
 from .patching import Patch
 
-__all__ = ["GENERATOR", "GEN_MODULE", "GROUPS", "PYDANTIC", "PYDANTIC_MODULE", "WORKER", "WORKER_MODULE"]
+__all__ = [
+    "APPLY_ENV",
+    "GENERATOR",
+    "GEN_MODULE",
+    "GROUPS",
+    "PYDANTIC",
+    "PYDANTIC_MODULE",
+    "WORKER",
+    "WORKER_MODULE",
+    "check_workers",
+]
+
+logger = logging.getLogger("speccompat")
+
+#: Set by apply() for vLLM's worker processes: JSON of the settings the plugin re-applies
+#: (``strict``, and the ``adapter`` the driver confirmed).
+APPLY_ENV = "SPECCOMPAT_APPLY"
 
 GEN_MODULE = "speculators.data_generation.vllm_hidden_states_generator"
 WORKER_MODULE = "speculators.data_generation.custom_worker"
@@ -25,7 +46,22 @@ PYDANTIC_MODULE = "speculators.utils.pydantic_utils"
 GEN_CLASS = f"{GEN_MODULE}:VllmHiddenStatesGenerator"
 EXT_CLASS = f"{WORKER_MODULE}:HiddenStatesWorkerExtension"
 
-ALWAYS = "never for speculators 0.3/0.4 (their code is frozen)"
+#: ``remove_when`` of patches that stay as long as speculators 0.3/0.4 are served.
+NEVER_REMOVE = "never for speculators 0.3/0.4 (their code is frozen)"
+
+
+def _live_check(display: str) -> Any:
+    """A check for shims built now: after ``revert()`` they raise instead of running half-undone."""
+    built = patching.generation()
+
+    def check() -> None:
+        if patching.generation() != built:
+            raise SpeccompatError(
+                f"{display}: speccompat was reverted (speccompat.revert()); this object was made by "
+                "speccompat before that. Call speccompat.apply() again, or build a new generator"
+            )
+
+    return check
 
 
 def _route(op: str, display: str):
@@ -33,8 +69,10 @@ def _route(op: str, display: str):
 
     def build(ctx: Any, original: Any) -> Any:
         method = getattr(ctx.adapter, op)
+        check = _live_check(display)
 
         def shim(*args: Any, **kwargs: Any) -> Any:
+            check()
             if args:
                 raise TypeError(f"{display}: speccompat's adapter takes keyword arguments only")
             return method(original, **kwargs)
@@ -50,23 +88,56 @@ def _route(op: str, display: str):
 def _executor_class(ctx: Any, original: type) -> type:
     adapter = ctx.adapter
 
+    check = _live_check(f"Speccompat{original.__name__}")
+
     class SpeccompatExecutor(original):  # type: ignore[misc, valid-type]
         """``MultiprocExecutor`` plus the engine-core steps speculators' driver skips."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            check()
             super().__init__(*args, **kwargs)
-            from .api import check_workers
-
             check_workers(self)
             adapter.after_executor_start(self)
 
         def initialize_from_config(self, kv_cache_configs: Any) -> None:
+            check()
             super().initialize_from_config(kv_cache_configs)
             adapter.after_kv_cache_init(self)
 
     SpeccompatExecutor.__qualname__ = SpeccompatExecutor.__name__ = f"Speccompat{original.__name__}"
     SpeccompatExecutor.__module__ = __name__
     return SpeccompatExecutor
+
+
+def check_workers(executor: Any) -> list[dict[str, Any]]:
+    """Ask every worker what it runs; raise :class:`WorkerPatchError` unless they match the driver.
+
+    Skipped (with a warning) only when ``SPECCOMPAT_DISABLE`` leaves out the worker patch that
+    answers, ``worker._speccompat_info``.
+    """
+    adapter = STATE.require_adapter().name()
+    why = patching.disabled_reason("worker._speccompat_info")
+    if why:
+        logger.warning("workers are not checked: worker._speccompat_info is %s", why)
+        return []
+    try:
+        infos = executor.collective_rpc("_speccompat_info")
+    except Exception as exc:  # the RPC fails in the worker when the method does not exist
+        raise WorkerPatchError(
+            "vLLM's worker processes are not running speccompat (their HiddenStatesWorkerExtension "
+            "has no _speccompat_info). Install speccompat in the environment the workers use (its "
+            "'vllm.general_plugins' entry point re-applies it in every process) and call "
+            f"speccompat.apply() before creating the generator. Worker error: {exc}"
+        ) from exc
+    bad = [i for i in infos if i.get("adapter") != adapter]
+    if bad:
+        raise WorkerPatchError(
+            f"workers run adapter(s) {[i.get('adapter') for i in bad]} (pid "
+            f"{', '.join(str(i.get('pid')) for i in bad)}), the driver {adapter}"
+        )
+    logger.info("workers patched: %s", ", ".join(f"pid {i['pid']} ({i['runner']})" for i in infos))
+    STATE.workers = list(infos)
+    return infos
 
 
 def _speculators_line(ctx: Any) -> str:
@@ -83,7 +154,7 @@ PYDANTIC = (
         "reload_and_populate_configs() -> ReloadableBaseModel.reload_schema()",
         how="model_rebuild(force=True) is given _types_namespace={'torch': torch}",
         vllm_change="none (pydantic/transformers); vLLM >= 0.30 pulls in the versions that trigger it",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=lambda ctx, original: classmethod(_reload_schema),
     ),
 )
@@ -114,7 +185,7 @@ GENERATOR = (
         "forces 16, CUDA MLA backends want 64) and 0.3.0 leaves prefix caching on",
         how="adapter.cache_config(): drop block_size (the platform picks it), prefix caching off",
         vllm_change="per-backend block sizes (0.11.0+, stricter from 0.30.0)",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=_route("cache_config", "CacheConfig"),
     ),
     Patch(
@@ -124,7 +195,7 @@ GENERATOR = (
         "async scheduling must be off for a hand-driven synchronous Scheduler",
         how="adapter.scheduler_config()",
         vllm_change="0.11.1 / 0.12.0 SchedulerConfig InitVars",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=_route("scheduler_config", "SchedulerConfig"),
     ),
     Patch(
@@ -134,7 +205,7 @@ GENERATOR = (
         "must travel with the config from 0.29.0",
         how="adapter.kv_cache_config_from_groups()",
         vllm_change="0.12.0 signature, 0.29.0 KV layout, 0.33.0 module move",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=_route("kv_cache_config_from_groups", "get_kv_cache_config_from_groups"),
     ),
     Patch(
@@ -144,7 +215,7 @@ GENERATOR = (
         "resolved, not speculators' constant 16",
         how="adapter.scheduler()",
         vllm_change="0.11.1 Scheduler(block_size=)",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=_route("scheduler", "Scheduler"),
     ),
     Patch(
@@ -153,7 +224,7 @@ GENERATOR = (
         why="Request(eos_token_id=) is a TypeError from vLLM 0.17.0",
         how="adapter.request()",
         vllm_change="0.17.0 Request.__init__",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=_route("request", "Request"),
     ),
     Patch(
@@ -164,7 +235,7 @@ GENERATOR = (
         how="a subclass that checks its workers, then calls adapter.after_executor_start() and "
         "adapter.after_kv_cache_init()",
         vllm_change="0.27.0 compile_or_warm_up_model, 0.29.0 KV layout, 0.33.0 set_kv_cache_layout",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=_executor_class,
     ),
     Patch(
@@ -173,7 +244,7 @@ GENERATOR = (
         why="speculators 0.4's mem_get_info returns (0, 0) without an accelerator: no KV blocks on CPU",
         how="speccompat.platform.mem_get_info (host memory on vLLM's CPU platform)",
         vllm_change="none (vLLM's CPU backend)",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=lambda ctx, original: _named(_impl('platform', 'mem_get_info'), original),
         optional=True,  # speculators 0.3.0 calls torch.cuda.mem_get_info instead
     ),
@@ -184,7 +255,7 @@ GENERATOR = (
         how="the module's `torch` name becomes a proxy whose cuda.mem_get_info/empty_cache follow "
         "the platform; everything else is the real torch",
         vllm_change="none (vLLM's CPU backend)",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=lambda ctx, original: _impl('platform', 'torch_view')(original),
         needed=lambda ctx: None if _speculators_line(ctx) == "0.3" else "speculators 0.4 uses mem_get_info",
     ),
@@ -196,7 +267,7 @@ GENERATOR = (
         "its tokenizer as code, so the generator cannot even be built for it",
         how="from_pretrained() defaults trust_remote_code=True, as speculators does for the model",
         vllm_change="none (Kimi-K2.5 and other models with tokenizer code)",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=lambda ctx, original: _TrustingAutoTokenizer(original),
     ),
     Patch(
@@ -205,8 +276,8 @@ GENERATOR = (
         why="duplicate or non-integer layer ids are accepted and produce duplicated/misnamed layers",
         how="wrapt wrapper that rejects them before any engine starts",
         vllm_change="none",
-        remove_when=ALWAYS,
-        build=lambda ctx, original: _function_wrapper(original, _impl('generator', 'wrap_init')),
+        remove_when=NEVER_REMOVE,
+        build=lambda ctx, original: _function_wrapper(original, _tracking(_impl('generator', 'wrap_init'))),
     ),
     Patch(
         id="generator.generate",
@@ -216,7 +287,7 @@ GENERATOR = (
         how="speccompat.generator.compat_generate: the engine's own step loop, input order, "
         "verified and validated results",
         vllm_change="0.11.1 two-phase execution; 0.11.1 collective_rpc bare reply",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=lambda ctx, original: _named(_impl('generator', 'compat_generate'), original),
     ),
     Patch(
@@ -226,7 +297,7 @@ GENERATOR = (
         "no attribute 'warning') from its logger",
         how="shut the executor down once and quietly",
         vllm_change="none",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=lambda ctx, original: _named(_impl('generator', 'compat_del'), original),
     ),
 )
@@ -242,7 +313,7 @@ WORKER = (
         how="speccompat.capture: vLLM's forward runs; hooks on the decoder layers capture "
         "hidden_states + residual; batch order from the running runner, verified",
         vllm_change="0.11.1, 0.12.0, 0.15.0, 0.18.0, 0.22.0, 0.25.0",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=lambda ctx, original: _named(_impl('capture', 'setup_hidden_states_capture'), original),
     ),
     Patch(
@@ -251,7 +322,7 @@ WORKER = (
         why="pairs with the capture above",
         how="speccompat.capture.reset_capture",
         vllm_change="as above",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=lambda ctx, original: _named(_impl('capture', 'reset_capture'), original),
     ),
     Patch(
@@ -260,7 +331,7 @@ WORKER = (
         why="speculators slices by metadata it cannot verify; 0.3.0 returns one blob per layer",
         how="speccompat.capture.get_captured_states: verified per-request states, packed per layer",
         vllm_change="as above",
-        remove_when=ALWAYS,
+        remove_when=NEVER_REMOVE,
         build=lambda ctx, original: _named(_impl('capture', 'get_captured_states'), original),
     ),
     Patch(
@@ -279,8 +350,45 @@ WORKER = (
 GROUPS = {PYDANTIC_MODULE: PYDANTIC, GEN_MODULE: GENERATOR, WORKER_MODULE: WORKER}
 
 
+#: Generators built while speccompat was applied: revert() makes their generate() say so.
+_BUILT: weakref.WeakSet = weakref.WeakSet()
+
+
+def _tracking(wrapper: Any) -> Any:
+    def track(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapper(wrapped, instance, args, kwargs)
+        if instance is not None:
+            try:
+                _BUILT.add(instance)
+            except TypeError:  # not weak-referenceable: nothing to mark at revert
+                pass
+        return result
+
+    return track
+
+
+def mark_reverted() -> None:
+    """After revert(): ``generate`` of every generator built under speccompat raises, saying why.
+
+    Their engines were configured by speccompat (block size, KV layout, workers with speccompat's
+    capture); speculators' own ``generate`` would fail on them with vLLM's errors or, worse, run.
+    """
+    for gen in list(_BUILT):
+        gen.__dict__["generate"] = _reverted_generate
+    _BUILT.clear()
+
+
+def _reverted_generate(*args: Any, **kwargs: Any) -> Any:
+    raise SpeccompatError(
+        "VllmHiddenStatesGenerator.generate: speccompat was reverted (speccompat.revert()) after this "
+        "generator was built under it; its engine and workers are speccompat's. Call "
+        "speccompat.apply() and build a new generator"
+    )
+
+
 class _TrustingAutoTokenizer:
-    """``transformers.AutoTokenizer`` whose ``from_pretrained`` trusts remote code by default."""
+    """``transformers.AutoTokenizer`` whose ``from_pretrained`` trusts remote code by default.
+    ``__wrapped__`` is the original (as for every patch: the object speccompat replaced)."""
 
     def __init__(self, original: Any) -> None:
         self.__wrapped__ = original
@@ -307,12 +415,18 @@ def _function_wrapper(original: Any, wrapper: Any) -> Any:
 
 
 def _named(fn: Any, original: Any) -> Any:
-    """``fn`` (shared by every class it patches) wrapped so it can carry the original and a marker."""
+    """``fn`` (shared by every class it patches) wrapped so it can carry the original and a marker.
+
+    As for every shim, ``__wrapped__`` is the original (the object replaced); ``__speccompat_impl__``
+    is speccompat's implementation.
+    """
+    check = _live_check(getattr(fn, "__qualname__", repr(fn)))
 
     @functools.wraps(fn)
     def patched(*args: Any, **kwargs: Any) -> Any:
+        check()
         return fn(*args, **kwargs)
 
-    patched.__wrapped__ = fn  # type: ignore[attr-defined]
-    patched.__speccompat_original__ = original  # type: ignore[attr-defined]
+    patched.__wrapped__ = original  # type: ignore[attr-defined]
+    patched.__speccompat_impl__ = fn  # type: ignore[attr-defined]
     return patched

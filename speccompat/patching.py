@@ -26,6 +26,9 @@ __all__ = [
     "Patch",
     "PatchOutcome",
     "apply_group",
+    "check_disabled",
+    "disabled_reason",
+    "generation",
     "patch_marker",
     "resolve_owner",
     "revert_all",
@@ -110,6 +113,12 @@ class PatchOutcome(NamedTuple):
 
 _lock = threading.RLock()
 _applied: list[AppliedPatch] = []
+_generation = 0  # bumped by revert_all(): shims built before it know they were reverted
+
+
+def generation() -> int:
+    """How many times patches were reverted in this process (shims compare it with their own)."""
+    return _generation
 
 
 def patch_marker(obj: Any) -> str | None:
@@ -146,13 +155,33 @@ def _mark(obj: Any, patch_id: str) -> Any:
 DISABLE_ENV = "SPECCOMPAT_DISABLE"
 
 
-def _disabled(patch_id: str) -> str | None:
+def _disable_items() -> list[str]:
     import os
 
-    for item in filter(None, (x.strip() for x in os.environ.get(DISABLE_ENV, "").split(","))):
-        if patch_id == item or (item.endswith(".") and patch_id.startswith(item)):
+    return list(filter(None, (x.strip() for x in os.environ.get(DISABLE_ENV, "").split(","))))
+
+
+def _covers(item: str, patch_id: str) -> bool:
+    return patch_id == item or (item.endswith(".") and patch_id.startswith(item))
+
+
+def disabled_reason(patch_id: str) -> str | None:
+    """Why ``patch_id`` is left out (``SPECCOMPAT_DISABLE`` names it or a prefix of it), or None."""
+    for item in _disable_items():
+        if _covers(item, patch_id):
             return f"disabled by {DISABLE_ENV}={item}"
     return None
+
+
+def check_disabled(known: Iterable[str]) -> None:
+    """Raise :class:`PatchError` naming each ``SPECCOMPAT_DISABLE`` item that leaves out no patch."""
+    known = sorted(known)
+    unknown = [item for item in _disable_items() if not any(_covers(item, pid) for pid in known)]
+    if unknown:
+        raise PatchError(
+            f"{DISABLE_ENV} names {', '.join(repr(u) for u in unknown)}, which is no patch id or prefix "
+            f"(ids: {', '.join(known)}; a prefix ends in '.', e.g. 'worker.')"
+        )
 
 
 def apply_group(patches: Iterable[Patch], ctx: Any) -> list[PatchOutcome]:
@@ -169,7 +198,7 @@ def apply_group(patches: Iterable[Patch], ctx: Any) -> list[PatchOutcome]:
             if p.id in active:
                 outcomes.append(PatchOutcome(p.id, p.target, "applied", "already applied", p.doc()))
                 continue
-            reason = p.needed(ctx) or _disabled(p.id)
+            reason = p.needed(ctx) or disabled_reason(p.id)
             if reason:
                 outcomes.append(PatchOutcome(p.id, p.target, "skipped", reason, p.doc()))
                 continue
@@ -220,7 +249,9 @@ def _restore(a: AppliedPatch) -> None:
 
 def revert_all() -> list[str]:
     """Restore every original, newest first. Returns the ids of the reverted patches."""
+    global _generation
     with _lock:
+        _generation += 1
         reverted = []
         while _applied:
             a = _applied.pop()

@@ -5,9 +5,10 @@ parameters, ``rejects`` those, or must be ``absent``). The same requirements are
 
 - **live** (:func:`check_live`): import the module and ``inspect`` the object. Used by ``apply()``
   (when speculators imports vLLM, never earlier) and by ``speccompat doctor``.
-- **static** (:func:`check_static`, in :mod:`speccompat.static_probe`): parse the sources of a
-  vLLM release with ``ast`` without importing it, following re-exports and base classes. Used by
-  the test suite over every release.
+- **static** (:func:`speccompat.static_probe.check_static`): parse the sources of a vLLM release
+  with ``ast`` without importing it, following re-exports and base classes. Used by
+  ``scripts/static_check.py`` and the test suite over every release; it builds on this module
+  (never the other way round) and is not loaded by the runtime package.
 
 Both return a list of :class:`Mismatch` (empty when the fingerprint matches).
 """
@@ -18,7 +19,7 @@ import importlib
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-__all__ = ["Mismatch", "Symbol", "check_live", "check_static", "fingerprint"]
+__all__ = ["Mismatch", "Symbol", "check_live", "fingerprint", "judge"]
 
 
 class Symbol(NamedTuple):
@@ -27,6 +28,11 @@ class Symbol(NamedTuple):
     ``path`` is ``"module:Name"`` or ``"module:Class.attr"``. For a class, the parameters are its
     constructor's (``__init__`` or dataclass fields); for a function or method, its own.
     Parameter checks look at names only; ``**kwargs`` does not count as accepting a name.
+
+    ``new`` marks a symbol that first appears in the release range of the adapter declaring it:
+    the registry then requires it to be *absent* from the previous range (see
+    :func:`speccompat.registry.fingerprint`), so neighbouring adapters tell each other apart
+    without the older one naming what came after it.
     """
 
     path: str
@@ -34,6 +40,7 @@ class Symbol(NamedTuple):
     rejects: tuple[str, ...] = ()
     absent: bool = False
     why: str = ""
+    new: bool = False
 
     @property
     def module(self) -> str:
@@ -73,7 +80,9 @@ def fingerprint(*groups: Iterable[Symbol] | Mapping[str, Symbol]) -> dict[str, S
     return out
 
 
-def _judge(sym: Symbol, found: bool, params: list[str] | None) -> Mismatch | None:
+def judge(sym: Symbol, found: bool, params: list[str] | None) -> Mismatch | None:
+    """The verdict on one symbol, from what a probe found: ``found`` (it exists) and ``params``
+    (its parameter names; ``None`` when they cannot be read). ``None`` means it matches."""
     if sym.absent:
         return Mismatch(sym, "exists, but this adapter expects it to be gone") if found else None
     if not found:
@@ -122,14 +131,8 @@ def check_live(symbols: Iterable[Symbol]) -> list[Mismatch]:
             found = True
         except (ImportError, AttributeError):
             found, obj = False, None
-        m = _judge(sym, found, _live_params(obj) if found else None)
+        m = judge(sym, found, _live_params(obj) if found else None)
         if m:
             out.append(m)
     return out
 
-
-def check_static(symbols: Iterable[Symbol], root: Any) -> list[Mismatch]:
-    """Check ``symbols`` against the vLLM sources under ``root`` (see :mod:`speccompat.static_probe`)."""
-    from .static_probe import check_static as _check
-
-    return _check(symbols, root)

@@ -2,6 +2,11 @@
 
 Adapter modules are named ``vllm_X_Y_Z`` after the first release they serve, so selection by
 version reads file names and imports only the chosen module (and the parents it subclasses).
+
+An adapter's *fingerprint* (:func:`fingerprint`) is its own ``requires`` plus what the registry
+derives from the next adapter: every symbol the next one marks ``new`` (first seen in its range)
+must be absent here. An adapter therefore never names what came after it; adding a release adds
+one module and changes no other.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from packaging.version import Version
 
 if TYPE_CHECKING:
     from .adapter import Adapter
-    from .probe import Mismatch
+    from .probe import Mismatch, Symbol
 
-__all__ = ["adapter_modules", "all_adapters", "by_name", "by_version", "match_live"]
+__all__ = ["adapter_modules", "all_adapters", "by_name", "by_version", "fingerprint", "match_live", "successor"]
 
 PACKAGE = "speccompat.adapters"
 
@@ -91,8 +96,30 @@ def by_version(version: Version | None) -> type[Adapter] | None:
     return _load(chosen) if chosen else None
 
 
+def successor(adapter: type[Adapter]) -> type[Adapter] | None:
+    """The adapter of the next release range (``None`` for the newest)."""
+    names = [m for _, m in adapter_modules()]
+    if adapter.name() not in names:
+        return None
+    i = names.index(adapter.name())
+    return _load(names[i + 1]) if i + 1 < len(names) else None
+
+
+def fingerprint(adapter: type[Adapter]) -> dict[str, Symbol]:
+    """Every requirement the probes check for ``adapter``: its ``requires``, plus each symbol the
+    next adapter introduces (``Symbol(new=True)``) required absent, which tells the two apart."""
+    from .probe import Symbol
+
+    out = dict(adapter.requires)
+    nxt = successor(adapter)
+    for path, sym in (nxt.requires.items() if nxt is not None else ()):
+        if sym.new and path not in out:
+            out[path] = Symbol(path, absent=True, why=f"introduced in {nxt.name()} (vLLM {nxt.since})")
+    return out
+
+
 def match_live(candidates: tuple[type[Adapter], ...] | None = None) -> dict[str, list[Mismatch]]:
     """Live probe of each candidate's fingerprint: adapter name -> mismatches (empty = match)."""
     from .probe import check_live
 
-    return {a.name(): check_live(a.requires.values()) for a in (candidates or all_adapters())}
+    return {a.name(): check_live(fingerprint(a).values()) for a in (candidates or all_adapters())}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .patches import GROUPS
+
 __all__ = ["Status", "build_status"]
 
 
@@ -40,12 +42,6 @@ class Status:
             "errors": self.errors,
             "workers": self.workers,
         }
-
-    def patch_state(self, patch_id: str) -> str | None:
-        for p in self.patches:
-            if p["id"] == patch_id:
-                return p["state"]
-        return None
 
     def __str__(self) -> str:
         lines = [
@@ -90,8 +86,6 @@ def _pkg_dict(inst: Any) -> dict[str, Any]:
 
 
 def build_status(state: Any) -> Status:
-    from .patches import GROUPS
-
     patches = []
     for module, group in GROUPS.items():
         for p in group:

@@ -32,9 +32,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .probe import Mismatch, Symbol, _judge
+from .probe import Mismatch, Symbol, judge
 
-__all__ = ["check_static"]
+__all__ = ["check_static", "facts"]
 
 
 class _Opaque(ast.AST):
@@ -505,7 +505,28 @@ def check_static(symbols: Iterable[Symbol], root: str | Path) -> list[Mismatch]:
         hit = resolve(sym, root)
         found = hit is not None
         params = _static_params(src, hit[0], hit[1]) if found else None
-        m = _judge(sym, found, params)
+        m = judge(sym, found, params)
         if m:
             out.append(m)
+    return out
+
+
+def facts(paths: Iterable[str], root: str | Path, names: Iterable[str] | None = None) -> dict[str, list[str] | bool]:
+    """What the sources under ``root`` say about each symbol path: its parameter names (a list;
+    only those in ``names`` when given), ``True`` when it exists but its parameters cannot be
+    read, ``False`` when it does not exist.
+
+    Recorded per release by ``scripts/static_check.py``; the unit tests build fake vLLM packages
+    from these facts of real releases (not from the fingerprints they are meant to test).
+    """
+    src = source(root)
+    keep = set(names) if names is not None else None
+    out: dict[str, list[str] | bool] = {}
+    for path in sorted(set(paths)):
+        hit = resolve(Symbol(path), root)
+        if hit is None:
+            out[path] = False
+            continue
+        params = _static_params(src, hit[0], hit[1])
+        out[path] = True if params is None else [p for p in params if keep is None or p in keep]
     return out

@@ -10,12 +10,13 @@ Two kinds of file:
 
 * :func:`allocate` / :func:`pack`: a new file per reply (the driver's mapping is the only one left
   once it has unlinked it).
-* :class:`Staging`: the worker keeps one file per process and reuses it for every reply, grown when
-  a batch needs more. Fresh shared pages are slow to write (a page fault per 4 KiB, and a GPU can
+* :class:`Staging`: the worker keeps its files and reuses them from reply to reply, grown when a
+  batch needs more. Fresh shared pages are slow to write (a page fault per 4 KiB, and a GPU can
   only copy into them through a bounce buffer: 1.3 GB/s measured on an H200 host); reused pages are
-  already there, and when the states come from a GPU the file is registered with CUDA once (pinned),
-  so each reply is one DMA copy (55 GB/s measured). The driver keeps its mapping of the file, so a
-  reply's tensor is only valid until the next reply of the same worker: copy out what you keep.
+  already there, and when the states come from a GPU a file is registered with CUDA once (pinned),
+  so each reply is one DMA copy (55 GB/s measured). The driver keeps its mapping of each file and
+  may hand out views of it: a file with live views is reported :func:`busy` with the next request,
+  and the worker then fills another one, so a view is never overwritten.
 
 Small replies travel inline, and so does any reply that would not fit in ``/dev/shm`` with room
 to spare (containers often mount a small one; a full tmpfs kills the writer with SIGBUS).
@@ -31,7 +32,7 @@ import tempfile
 import uuid
 from typing import Any
 
-__all__ = ["INLINE_LIMIT", "Staging", "allocate", "discard", "pack", "unpack"]
+__all__ = ["INLINE_LIMIT", "Staging", "allocate", "busy", "discard", "pack", "unpack"]
 
 logger = logging.getLogger("speccompat")
 
@@ -113,38 +114,92 @@ def pack(layers: list[Any]) -> dict[str, Any]:
     return desc
 
 
-class Staging:
-    """Worker side: one reusable shared-memory file, pinned for CUDA copies when states come from a GPU.
+class _Buffer:
+    """One staging file of a worker: its path (until the driver maps it), id and uint8 view."""
 
-    ``allocate`` returns the reply dict and a tensor view of the file to fill (with
-    ``copy_(..., non_blocking=True)`` from a GPU: call :meth:`ready` before replying). The file
-    grows when a batch needs more and is removed by the driver's first mapping, or at exit.
+    def __init__(self, capacity: int) -> None:
+        import torch
+
+        self.path, self.flat = _new_file(".staging", capacity, torch.uint8)
+        self.capacity = capacity
+        self.id = uuid.uuid4().hex
+        self.pinned: bool | None = None  # None: not tried
+
+    def pin(self) -> bool:
+        import torch
+
+        if self.pinned is None:
+            self.pinned = torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.capacity, 0) == 0
+            if not self.pinned:
+                logger.warning("speccompat: could not pin the %d MB staging file for CUDA copies; "
+                               "copies will be slower", self.capacity >> 20)
+        return self.pinned
+
+    def release(self) -> None:
+        if self.pinned:
+            import torch
+
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
+            except Exception:  # noqa: BLE001, S110 - at exit CUDA may be gone already
+                pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:  # the driver removed it on its first mapping
+            pass
+        self.flat, self.pinned = None, None
+
+
+class Staging:
+    """Worker side: reusable shared-memory files, pinned for CUDA copies when states come from a GPU.
+
+    ``allocate`` returns the reply dict and a tensor view of a file to fill (with
+    ``copy_(..., non_blocking=True)`` from a GPU: call :meth:`ready` before replying). A file is
+    reused for the next reply unless the driver says it is ``busy`` (it handed out views of it that
+    are still alive); then another file is used, made when none is free. A file that is too small is
+    replaced by a larger one. Files are removed by the driver's first mapping, or at exit.
     """
 
     def __init__(self) -> None:
-        self.path: str | None = None
-        self.id = ""
-        self.flat: Any = None  # uint8 view of the whole file
-        self.capacity = 0
-        self.pinned: bool | None = None  # None: not tried for this file
+        self.buffers: list[_Buffer] = []
+        self.last: _Buffer | None = None
         self.cuda = False
         atexit.register(self.release)
 
-    def allocate(self, shape: tuple[int, ...], dtype: Any, device: Any = None) -> tuple[dict[str, Any], Any]:
+    # the file of the last reply (tests and logs)
+    path = property(lambda self: self.last.path if self.last else None)
+    pinned = property(lambda self: self.last.pinned if self.last else None)
+    capacity = property(lambda self: self.last.capacity if self.last else 0)
+
+    def allocate(self, shape: tuple[int, ...], dtype: Any, device: Any = None,
+                 busy: Any = ()) -> tuple[dict[str, Any], Any]:
         import torch
 
         self.cuda = getattr(device, "type", device) == "cuda"
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes <= INLINE_LIMIT or (nbytes > self.capacity and not _shm_has_room(nbytes)):
+        busy = set(busy)
+        free = [b for b in self.buffers if b.id not in busy]
+        fits = [b for b in free if b.capacity >= nbytes]
+        if nbytes <= INLINE_LIMIT or (not fits and not _shm_has_room(nbytes)):
             buf = torch.empty(shape, dtype=dtype)
             return {"inline": buf}, buf
-        if nbytes > self.capacity:
-            self._grow(nbytes)
-        if self.cuda and self.pinned is None:
-            self._pin()
-        buf = self.flat[:nbytes].view(dtype).view(shape)
-        desc = {"file": self.path, "staging": self.id, "owner": os.getpid(), "capacity": self.capacity,
-                "shape": list(shape), "dtype": _dtype_name(dtype)}
+        if fits:
+            chosen = min(fits, key=lambda b: b.capacity)
+        else:
+            # Replace the largest free file that is too small (its pages go back), else add one.
+            if free:
+                old = max(free, key=lambda b: b.capacity)
+                self.buffers.remove(old)
+                old.release()
+            grown = max([nbytes] + [b.capacity + b.capacity // 4 for b in free])
+            chosen = _Buffer(-(-grown // _ROUND) * _ROUND)
+            self.buffers.append(chosen)
+        if self.cuda:
+            chosen.pin()
+        self.last = chosen
+        buf = chosen.flat[:nbytes].view(dtype).view(shape)
+        desc = {"file": chosen.path, "staging": chosen.id, "owner": os.getpid(), "capacity": chosen.capacity,
+                "pool": [b.id for b in self.buffers], "shape": list(shape), "dtype": _dtype_name(dtype)}
         return desc, buf
 
     def ready(self) -> None:
@@ -154,48 +209,29 @@ class Staging:
 
             torch.cuda.current_stream().synchronize()
 
-    def _grow(self, nbytes: int) -> None:
-        import torch
-
-        capacity = max(nbytes, self.capacity + self.capacity // 4)
-        capacity = -(-capacity // _ROUND) * _ROUND
-        self.release()
-        path, flat = _new_file(".staging", capacity, torch.uint8)
-        self.path, self.flat, self.capacity, self.id = path, flat, capacity, uuid.uuid4().hex
-
-    def _pin(self) -> None:
-        import torch
-
-        self.pinned = torch.cuda.cudart().cudaHostRegister(self.flat.data_ptr(), self.capacity, 0) == 0
-        if not self.pinned:
-            logger.warning("speccompat: could not pin the %d MB staging file for CUDA copies; "
-                           "copies will be slower", self.capacity >> 20)
-
     def release(self) -> None:
-        if self.flat is not None and self.pinned:
-            import torch
-
-            try:
-                torch.cuda.cudart().cudaHostUnregister(self.flat.data_ptr())
-            except Exception:  # noqa: BLE001, S110 - at exit CUDA may be gone already
-                pass
-        if self.path is not None:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:  # the driver removed it on its first mapping
-                pass
-        self.path, self.flat, self.capacity, self.pinned, self.id = None, None, 0, None, ""
+        for b in self.buffers:
+            b.release()
+        self.buffers, self.last = [], None
 
 
-#: Driver side: the mapping of each worker's staging file, by owner pid: (staging id, uint8 view).
-_MAPPED: dict[int, tuple[str, Any]] = {}
+#: Driver side: the mappings of each worker's staging files, by owner pid, then staging id:
+#: (uint8 view of the whole file, the storage use count of the mapping alone).
+_MAPPED: dict[int, dict[str, tuple[Any, int]]] = {}
+
+
+def _use_count(flat: Any) -> int:
+    import torch
+
+    return torch._C._storage_Use_Count(flat.untyped_storage()._cdata)
 
 
 def unpack(desc: dict[str, Any]) -> Any:
     """Driver side: the packed states as one tensor [layers, tokens, hidden].
 
     A per-reply file is removed at once. A staging file is removed on its first mapping and the
-    mapping kept: the returned tensor then stays valid only until the next reply of that worker.
+    mapping kept: the returned tensor is a view of it, valid until the worker reuses that file,
+    which it does only once :func:`busy` no longer lists it (every view of it was dropped).
     """
     import torch
 
@@ -206,8 +242,16 @@ def unpack(desc: dict[str, Any]) -> Any:
     if not desc.get("staging"):
         return _map_and_unlink(desc["file"], math.prod(shape), dtype).view(shape)
     owner, sid = desc["owner"], desc["staging"]
-    known = _MAPPED.get(owner)
-    if known is None or known[0] != sid:
-        _MAPPED.pop(owner, None)  # the worker grew its file: drop the old mapping
-        known = _MAPPED[owner] = (sid, _map_and_unlink(desc["file"], desc["capacity"], torch.uint8))
-    return known[1][: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    maps = _MAPPED.setdefault(owner, {})
+    for gone in [k for k in maps if k not in desc.get("pool", (sid,))]:
+        del maps[gone]  # the worker replaced that file; live views keep their pages
+    if sid not in maps:
+        flat = _map_and_unlink(desc["file"], desc["capacity"], torch.uint8)
+        maps[sid] = (flat, _use_count(flat))
+    return maps[sid][0][: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+def busy() -> list[str]:
+    """Driver side: the staging files whose views handed out by :func:`unpack` are still alive
+    (a worker must not overwrite them)."""
+    return [sid for maps in _MAPPED.values() for sid, (flat, alone) in maps.items() if _use_count(flat) > alone]

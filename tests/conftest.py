@@ -43,15 +43,12 @@ def _bare_site(root: Path) -> Path:
     """
     import packaging
     import wrapt
-    import yaml
 
     site = root / "site"
     site.mkdir()
-    for mod in (packaging, wrapt, yaml):
+    for mod in (packaging, wrapt):  # the runtime dependencies (pyproject.toml), nothing else
         src = Path(mod.__file__).parent
         (site / src.name).symlink_to(src)
-    for extra in Path(yaml.__file__).parent.parent.glob("_yaml*"):
-        (site / extra.name).symlink_to(extra)
     pkg = site / "speccompat"
     pkg.mkdir()
     for f in (REPO / "speccompat").iterdir():

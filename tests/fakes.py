@@ -1,9 +1,13 @@
 """Fake vLLM and speculators packages for unit tests of the core (no torch, no vLLM).
 
-``write_fake_vllm(root, adapter)`` writes stub modules that satisfy exactly the fingerprint of an
-adapter (each symbol with the parameters it must accept), so apply -> import -> patch -> revert can
-run end to end; dropping one symbol shows what happens on drift. ``write_fake_speculators(root,
-version)`` writes a package with the module layout and the vLLM imports of speculators 0.4.
+``write_fake_vllm(root, release_facts("0.32.0"))`` writes stub modules shaped by what the sources
+of that real vLLM release contain: ``scripts/static_check.py`` records, per release, whether each
+symbol any adapter relies on exists and which of the parameters the adapters speak of it has
+(``facts`` in ``evidence/static/releases.json``). The fakes are thus built from recorded release
+facts, not from the fingerprints under test, so "the probe matches the fake" says the adapter
+matches that release; dropping one symbol shows what happens on drift.
+``write_fake_speculators(root, version)`` writes a package with the module layout and the vLLM
+imports of speculators 0.4.
 """
 
 from __future__ import annotations
@@ -13,6 +17,17 @@ from collections import defaultdict
 from pathlib import Path
 
 from speccompat.probe import Symbol
+
+EVIDENCE = Path(__file__).resolve().parent.parent / "evidence" / "static" / "releases.json"
+
+
+def release_facts(release: str, evidence: Path = EVIDENCE) -> list[Symbol]:
+    """The symbols vLLM ``release`` has, with the parameters its sources show (recorded facts)."""
+    import json
+
+    facts = json.loads(evidence.read_text())["results"][release]["facts"]
+    return [Symbol(path, accepts=tuple(params) if isinstance(params, list) else ())
+            for path, params in facts.items() if params is not False]
 
 
 def _params(sym: Symbol) -> str:

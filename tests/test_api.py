@@ -1,5 +1,5 @@
 """apply()/revert()/status() end to end, in fresh interpreters, against fake vLLM and speculators
-packages built from the adapters' own fingerprints (no torch, no vLLM needed)."""
+packages built from the recorded facts of real vLLM releases (no torch, no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import json
 import textwrap
 
 import pytest
-from fakes import write_fake_speculators, write_fake_vllm
-
-from speccompat.registry import by_name
+from fakes import release_facts, write_fake_speculators, write_fake_vllm
 
 
-def world(tmp_path, vllm_version="0.32.0", adapter="vllm_0_29_0", speculators="0.4.0.1", drop=()):
-    syms = [s for s in by_name(adapter).requires.values() if s.path not in drop]
+def world(tmp_path, vllm_version="0.32.0", release="0.32.0", speculators="0.4.0.1", drop=()):
+    """A fake vLLM shaped like ``release``'s sources (reporting ``vllm_version``) + speculators."""
+    syms = [s for s in release_facts(release) if s.path not in drop]
     write_fake_vllm(tmp_path, syms, version=vllm_version)
     if speculators:
         write_fake_speculators(tmp_path, speculators)
@@ -163,7 +162,7 @@ def test_unknown_nightly_matching_a_known_adapter_is_accepted_with_a_warning(tmp
         st = speccompat.status()
         print(json.dumps([st.state, st.adapter, st.vllm["dev"], st.matrix_row, st.warnings]))
         """),
-        path=world(tmp_path, vllm_version="0.34.0.dev5+g0123abc", adapter="vllm_0_33_0"),
+        path=world(tmp_path, vllm_version="0.34.0.dev5+g0123abc", release="0.33.0"),
     ).stdout.splitlines()[-1]
     state, adapter, dev, row, warnings = json.loads(out)
     assert (state, adapter, dev, row) == ("active", "vllm_0_33_0", True, None)
@@ -181,7 +180,7 @@ def test_unknown_nightly_matching_no_adapter_names_the_drifted_symbol(tmp_path, 
         except speccompat.DriftError as e:
             print("DRIFT", e.symbol, "|", e)
         """),
-        path=world(tmp_path, vllm_version="0.34.0.dev5", adapter="vllm_0_33_0", drop=(dropped,)),
+        path=world(tmp_path, vllm_version="0.34.0.dev5", release="0.33.0", drop=(dropped,)),
     ).stdout
     assert f"DRIFT {dropped}" in proc and "no other adapter matches" in proc
 
@@ -197,7 +196,7 @@ def test_a_nightly_is_served_by_the_adapter_its_signatures_match(tmp_path, py):
         st = speccompat.status()
         print(json.dumps([st.adapter, st.selection]))
         """),
-        path=world(tmp_path, vllm_version="0.29.1.dev3", adapter="vllm_0_33_0"),
+        path=world(tmp_path, vllm_version="0.29.1.dev3", release="0.33.0"),
     ).stdout.splitlines()[-1]
     assert json.loads(out)[0] == "vllm_0_33_0" and "fingerprint" in json.loads(out)[1]
 
@@ -239,7 +238,7 @@ def test_unsupported_combinations_warn_and_apply_nothing_or_raise_when_strict(tm
 def test_strict_mode_from_environment_rejects_a_version_without_matrix_row(tmp_path, py):
     proc = py(
         prog("speccompat.apply()\n"),
-        path=world(tmp_path, vllm_version="0.34.0.dev5", adapter="vllm_0_33_0"),
+        path=world(tmp_path, vllm_version="0.34.0.dev5", release="0.33.0"),
         env={"SPECCOMPAT_STRICT": "1"},
         check=False,
     )
@@ -288,3 +287,151 @@ def test_names_removed_from_transformers_are_served_only_when_missing(tmp_path, 
         assert (got, state) == ("real", "skipped")
     else:
         assert got.startswith("stand-in: speculators' EAGLE-1 model calls transformers'") and state == "applied"
+
+
+def test_disable_naming_an_unknown_patch_is_an_error_naming_it(tmp_path, py):
+    proc = py(prog("speccompat.apply()\n"), path=world(tmp_path), check=False,
+              env={"SPECCOMPAT_DISABLE": "generator.generate, generator.nope,wrker."})
+    assert proc.returncode != 0 and "PatchError" in proc.stderr
+    assert "'generator.nope', 'wrker.'" in proc.stderr and "which is no patch id or prefix" in proc.stderr
+    out = py(prog("""
+        st = speccompat.apply()
+        import speculators.data_generation
+        print(json.dumps(states(speccompat.status())))
+        """), path=world(tmp_path), env={"SPECCOMPAT_DISABLE": "generator.generate,worker."}).stdout.splitlines()[-1]
+    got = json.loads(out)
+    assert got["generator.generate"] == "skipped" and got["generator.Request"] == "applied"
+
+
+WORKERS = """
+import types
+from speccompat import patches
+from speccompat.errors import WorkerPatchError
+speccompat.apply()
+import speculators.data_generation
+def executor(*adapters):
+    calls = []
+    def rpc(method):
+        calls.append(method)
+        return [{"adapter": a, "pid": 100 + i, "runner": "R"} for i, a in enumerate(adapters)]
+    return types.SimpleNamespace(collective_rpc=rpc, calls=calls)
+ok = executor("vllm_0_29_0", "vllm_0_29_0")
+print(json.dumps([len(patches.check_workers(ok)), ok.calls]))
+try:
+    patches.check_workers(executor("vllm_0_29_0", "vllm_0_11_0"))
+except WorkerPatchError as e:
+    print("MISMATCH", e)
+"""
+
+
+def test_workers_are_checked_and_a_worker_on_another_adapter_is_refused(tmp_path, py):
+    out = py(prog(WORKERS), path=world(tmp_path), env={"SPECCOMPAT_DISABLE": "generator.generate"}).stdout
+    lines = out.splitlines()
+    # SPECCOMPAT_DISABLE of a driver patch no longer switches the worker check off
+    assert json.loads(lines[-2]) == [2, ["_speccompat_info"]]
+    assert lines[-1] == "MISMATCH workers run adapter(s) ['vllm_0_11_0'] (pid 101), the driver vllm_0_29_0"
+
+
+def test_disabling_the_worker_info_patch_skips_the_worker_check(tmp_path, py):
+    proc = py(prog(WORKERS), path=world(tmp_path), env={"SPECCOMPAT_DISABLE": "worker."})
+    assert json.loads(proc.stdout.splitlines()[-1]) == [0, []]  # no RPC, and no mismatch raised
+    assert "MISMATCH" not in proc.stdout and "workers are not checked: worker._speccompat_info" in proc.stderr
+
+
+def test_an_overridden_version_reports_one_adapter_in_driver_and_workers(tmp_path, py):
+    """SPECCOMPAT_VLLM_VERSION=9.9.9 on a 0.32.0 build: the version suggests vllm_0_33_0, the probe
+    finds vllm_0_29_0; the driver publishes that to its workers and nobody reports an error."""
+    worker = tmp_path / "worker.py"  # a process the driver starts: inherits its environment
+    worker.write_text(textwrap.dedent("""
+        import json, speccompat
+        speccompat.apply()
+        import speculators.data_generation.custom_worker
+        st = speccompat.status()
+        print(json.dumps([st.state, st.adapter, st.selection, st.errors]))
+        """))
+    code = f"""
+        import os, subprocess
+        st = speccompat.apply()
+        import speculators.data_generation
+        st = speccompat.status()
+        published = json.loads(os.environ["SPECCOMPAT_APPLY"])["adapter"]
+        child = subprocess.run([sys.executable, "-S", "{worker}"], capture_output=True, text=True,
+                               check=True).stdout.splitlines()[-1]
+        print(json.dumps([st.state, st.adapter, st.errors, published, json.loads(child)]))
+    """
+    out = py(prog(code), path=world(tmp_path), env={"SPECCOMPAT_VLLM_VERSION": "9.9.9"}).stdout.splitlines()[-1]
+    state, adapter, errors, published, child = json.loads(out)
+    assert (state, adapter, errors, published) == ("active", "vllm_0_29_0", [], "vllm_0_29_0")
+    assert child == ["active", "vllm_0_29_0", "the driver's choice, confirmed by probe", []]
+
+
+def test_calls_through_reverted_shims_say_speccompat_was_reverted(tmp_path, py):
+    out = py(prog("""
+        speccompat.apply()
+        import speculators.data_generation
+        gen = sys.modules[GEN]
+        g = gen.VllmHiddenStatesGenerator("m", layer_ids=[1, 2])
+        request = gen.Request
+        speccompat.revert()
+        for call in (lambda: g.generate([[1, 2]]), lambda: request(request_id="r")):
+            try:
+                call()
+                print("RAN")
+            except speccompat.SpeccompatError as e:
+                print("REVERTED", str(e)[:90])
+        print(gen.VllmHiddenStatesGenerator("m", layer_ids=[1]).generate([[1]]))  # a new one: speculators' own
+        """), path=world(tmp_path)).stdout.splitlines()
+    assert out[-3].startswith("REVERTED VllmHiddenStatesGenerator.generate: speccompat was reverted")
+    assert out[-2].startswith("REVERTED Request: speccompat was reverted")
+    assert out[-1] == "original generate"
+
+
+@pytest.mark.parametrize("app_logging", [False, True])
+def test_logs_reach_the_applications_handlers_or_stderr_when_it_has_none(tmp_path, py, app_logging):
+    setup = "import logging; logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='APP %(name)s %(message)s')\n"
+    body = textwrap.dedent("""
+        st = speccompat.apply()
+        import logging
+        print("PROPAGATE", logging.getLogger("speccompat").propagate)
+        """)
+    proc = py(PRELUDE + (setup if app_logging else "") + body, path=world(tmp_path))
+    armed_out = [line for line in proc.stdout.splitlines() if "armed:" in line]
+    armed_err = [line for line in proc.stderr.splitlines() if "armed:" in line]
+    assert "PROPAGATE True" in proc.stdout
+    if app_logging:
+        assert len(armed_out) == 1 and armed_out[0].startswith("APP speccompat armed:") and armed_err == []
+    else:
+        assert armed_out == [] and len(armed_err) == 1 and armed_err[0].startswith("INFO speccompat [pid ")
+
+
+def test_logging_configured_after_apply_takes_over(tmp_path, py):
+    proc = py(prog("""
+        speccompat.apply()
+        import logging
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="APP %(levelname)s %(message)s")
+        import speculators.data_generation  # INFO lines: patched ..., confirmed ...
+        logging.getLogger("speccompat").warning("a warning")
+        """), path=world(tmp_path))
+    assert "armed:" in proc.stderr  # before the application configured logging: the fallback
+    assert "patched" not in proc.stderr and "patched" not in proc.stdout  # after: the app's WARNING level
+    assert proc.stdout.count("APP WARNING a warning") == 1
+
+
+def test_log_level_variable_quietens_speccompat(tmp_path, py):
+    proc = py(prog("speccompat.apply()\n"), path=world(tmp_path), env={"SPECCOMPAT_LOG_LEVEL": "WARNING"})
+    assert "armed:" not in proc.stderr
+
+
+@pytest.mark.parametrize("dropped", ["vllm.v1.core.sched.output:NewRequestData",
+                                     "vllm.v1.worker.gpu_input_batch:InputBatch.req_ids"])
+def test_a_renamed_worker_side_symbol_is_refused_before_any_engine_starts(tmp_path, py, dropped):
+    """What the capture reads in the workers is in the fingerprint: a vLLM that renamed it fails
+    when speculators imports vLLM in the driver, naming it, not in the middle of a run."""
+    proc = py(prog("""
+        speccompat.apply()
+        try:
+            import speculators.data_generation
+        except speccompat.DriftError as e:
+            print("DRIFT", e.symbol)
+        """), path=world(tmp_path, drop=(dropped,))).stdout
+    assert f"DRIFT {dropped}" in proc

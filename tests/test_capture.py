@@ -2,7 +2,9 @@
 
 Covers what an engine run cannot provoke on demand: chunks of one request over several steps,
 batch orders that differ from the scheduler's, a preempted request recomputed from position 0,
-a misattributed chunk, sequence-parallel token shards, dummy/warm-up steps and non-zero TP ranks.
+a misattributed chunk, sequence-parallel token shards, dummy/warm-up steps, non-zero TP ranks, a
+multimodal model called with ``inputs_embeds`` (token ids read from the runner's buffer) and the
+V2 runner's per-step batch. The release-specific reading is the real adapters' (``vllm_0_29_0``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ torch = pytest.importorskip("torch", reason="capture hooks torch modules")
 pytest.importorskip("vllm", reason="capture imports vllm.distributed (engine environments have it)")
 
 from speccompat.capture import WorkerCapture  # noqa: E402
-from speccompat.errors import HiddenStatesError  # noqa: E402
+from speccompat.errors import DriftError, HiddenStatesError  # noqa: E402
+from speccompat.registry import by_name  # noqa: E402
+
+ADAPTER = by_name("vllm_0_29_0")()
 
 HIDDEN = 8
 
@@ -41,7 +46,10 @@ class Base(torch.nn.Module):
             Layer(k, shard=shard_from is not None and k >= shard_from) for k in range(n_layers))
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        hidden, residual = input_ids[:, None].float().repeat(1, HIDDEN), None
+        if input_ids is None:  # multimodal: the runner embedded the tokens itself
+            hidden, residual = inputs_embeds, None
+        else:
+            hidden, residual = input_ids[:, None].float().repeat(1, HIDDEN), None
         for layer in self.layers:
             if residual is not None and hidden.shape[0] < positions.shape[0]:  # all-gather back
                 hidden = torch.cat([hidden, hidden])[: positions.shape[0]]
@@ -51,12 +59,17 @@ class Base(torch.nn.Module):
 
 
 class Runner:
-    """The parts of vLLM's V1 model runner capture relies on."""
+    """The parts of vLLM's V1 model runner capture relies on. ``embeds``: call the model as vLLM
+    calls multimodal ones, with ``inputs_embeds`` and ``input_ids=None``; the step's token ids
+    then sit in the runner's ``input_ids`` buffer (``.gpu``), unless ``buffer`` is False."""
 
-    def __init__(self, base: Base) -> None:
+    def __init__(self, base: Base, embeds: bool = False, buffer: bool = True) -> None:
         self.model = types.SimpleNamespace(model=base)
         self.input_batch = types.SimpleNamespace(req_ids=[])
         self.prompts: dict[str, list[int]] = {}
+        self.embeds = embeds
+        if buffer:
+            self.input_ids = types.SimpleNamespace(gpu=torch.zeros(64, dtype=torch.int32))
 
     def execute_model(self, so, intermediate_tensors=None, dummy_run=False):
         order = so.order
@@ -66,7 +79,14 @@ class Runner:
             start, n = so.starts[rid], so.num_scheduled_tokens[rid]
             ids += self.prompts[rid][start : start + n]
             pos += list(range(start, start + n))
-        self.model.model.forward(torch.tensor(ids), torch.tensor(pos))
+        ids_t = torch.tensor(ids)
+        if not self.embeds:
+            self.model.model.forward(ids_t, torch.tensor(pos))
+            return
+        if hasattr(self, "input_ids"):
+            self.input_ids.gpu[: len(ids)] = ids_t
+        embeds = ids_t[:, None].float().repeat(1, HIDDEN)
+        self.model.model.forward(None, torch.tensor(pos), inputs_embeds=embeds)
 
 
 def step(runner, order, chunks, new=()):
@@ -91,10 +111,10 @@ def tp(monkeypatch):
     return group
 
 
-def make(layer_ids, n_layers=4, shard_from=None):
-    runner = Runner(Base(n_layers, shard_from))
+def make(layer_ids, n_layers=4, shard_from=None, strict=False, **runner_kw):
+    runner = Runner(Base(n_layers, shard_from), **runner_kw)
     worker = types.SimpleNamespace(model_runner=runner)
-    cap = WorkerCapture(worker, layer_ids)
+    cap = WorkerCapture(worker, layer_ids, adapter=ADAPTER, strict=strict)
     return runner, cap
 
 
@@ -209,6 +229,90 @@ def test_layer_ids_are_checked_and_attachments_come_off(tp):
     cap.detach()
     assert "forward" not in vars(base) and "execute_model" not in vars(runner)
     assert not base.layers[1]._forward_hooks
+
+
+def test_inputs_embeds_steps_are_verified_from_the_runner_buffer(tp):
+    runner, cap = make([0, 3], embeds=True)
+    runner.prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12]}
+    cap.reset()
+    step(runner, ["b", "a"], {"b": (0, 3), "a": (0, 2)}, new=["a", "b"])
+    step(runner, ["a"], {"a": (2, 3)})
+    assert all(s.input_ids is not None for s in cap.steps)
+    out = cap.collect(["a", "b"])
+    assert out["lengths"] == [5, 3] and out["stats"]["unverified_steps"] == 0
+    from speccompat.transport import unpack
+
+    states = unpack(out["states"])
+    for j, layer in enumerate([0, 3]):
+        for rid, g in zip("ab", torch.split(states[j], out["lengths"]), strict=True):
+            assert torch.equal(g, expected(runner.prompts[rid], layer)), (rid, layer)
+
+
+def test_inputs_embeds_steps_with_a_wrong_batch_order_are_detected(tp):
+    runner, cap = make([1], embeds=True)
+    runner.prompts = {"a": [5, 6, 7], "b": [8, 9, 10]}
+    cap.reset()
+    step(runner, ["a", "b"], {"a": (0, 3), "b": (0, 3)}, new=["a", "b"])
+    cap.steps[0].order = ["b", "a"]
+    with pytest.raises(HiddenStatesError, match="token ids at positions 0..2 differ from its prompt"):
+        cap.collect(["a", "b"])
+
+
+def test_steps_whose_token_ids_cannot_be_read_are_counted_or_fail_when_strict(tp):
+    runner, cap = make([1], embeds=True, buffer=False)
+    runner.prompts = {"a": [5, 6, 7]}
+    cap.reset()
+    step(runner, ["a"], {"a": (0, 2)}, new=["a"])
+    step(runner, ["a"], {"a": (2, 1)})
+    assert cap.collect(["a"])["stats"]["unverified_steps"] == 2
+    runner, cap = make([1], embeds=True, buffer=False, strict=True)
+    runner.prompts = {"a": [5, 6, 7]}
+    cap.reset()
+    step(runner, ["a"], {"a": (0, 3)}, new=["a"])
+    with pytest.raises(HiddenStatesError, match=r"step 0: its token ids could not be read .*\(strict mode\)"):
+        cap.collect(["a"])
+
+
+class RunnerV2(Runner):
+    """vLLM's model runner V2: no input_batch; prepare_inputs() returns a fresh batch per step."""
+
+    def __init__(self, base: Base) -> None:
+        super().__init__(base, embeds=True, buffer=False)
+        del self.input_batch
+
+    def prepare_inputs(self, so, *args):
+        ids = [t for rid in so.order for t in
+               self.prompts[rid][so.starts[rid] : so.starts[rid] + so.num_scheduled_tokens[rid]]]
+        return types.SimpleNamespace(req_ids=list(so.order), input_ids=torch.tensor(ids))
+
+    def execute_model(self, so, intermediate_tensors=None, dummy_run=False):
+        batch = self.prepare_inputs(so)
+        pos = [p for rid in so.order for p in range(so.starts[rid], so.starts[rid] + so.num_scheduled_tokens[rid])]
+        embeds = batch.input_ids[:, None].float().repeat(1, HIDDEN)
+        self.model.model.forward(None, torch.tensor(pos), inputs_embeds=embeds)
+
+
+def test_v2_runner_order_and_token_ids_come_from_its_per_step_batch(tp):
+    runner = RunnerV2(Base(4))
+    cap = WorkerCapture(types.SimpleNamespace(model_runner=runner), [2], adapter=ADAPTER)
+    assert "prepare_inputs" in vars(runner)
+    runner.prompts = {"a": [5, 6, 7, 8], "b": [9, 10]}
+    cap.reset()
+    step(runner, ["b", "a"], {"b": (0, 2), "a": (0, 4)}, new=["a", "b"])
+    runner.execute_model(types.SimpleNamespace(order=["a"], starts={"a": 0}, num_scheduled_tokens={"a": 4}),
+                         dummy_run=True)  # warm-up: not a step
+    assert [s.order for s in cap.steps] == [["b", "a"]]
+    out = cap.collect(["a", "b"])
+    assert out["lengths"] == [4, 2] and out["stats"]["unverified_steps"] == 0
+    cap.detach()
+    assert "prepare_inputs" not in vars(runner)
+
+
+def test_the_0_11_adapter_refuses_a_runner_without_input_batch_naming_the_symbol(tp):
+    runner = RunnerV2(Base(4))
+    with pytest.raises(DriftError) as e:
+        WorkerCapture(types.SimpleNamespace(model_runner=runner), [2], adapter=by_name("vllm_0_11_0")())
+    assert e.value.symbol == "vllm.v1.worker.gpu_input_batch:InputBatch.req_ids"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -9,7 +9,10 @@ import sys
 
 import pytest
 from conftest import ENGINE_ENV
-from fakes import write_fake_speculators
+from fakes import release_facts, write_fake_speculators, write_fake_vllm
+
+#: doctor looks for a scripts/mkenv.py environment description in sys.prefix; point it elsewhere.
+NO_ENV = "import sys; sys.prefix = {prefix!r}; "
 
 
 def test_doctor_without_vllm_says_so_and_fails(tmp_path, py):
@@ -23,8 +26,8 @@ def test_doctor_without_vllm_says_so_and_fails(tmp_path, py):
 
 
 def test_doctor_json_without_anything(tmp_path, py):
-    proc = py("import sys; from speccompat.cli import main; sys.exit(main(['doctor', '--json']))", path=[tmp_path],
-              check=False)
+    proc = py(NO_ENV.format(prefix=str(tmp_path)) + "from speccompat.cli import main; sys.exit(main(['doctor', '--json']))",
+              path=[tmp_path], check=False)
     report = json.loads(proc.stdout)
     assert proc.returncode == 1 and report["supported"] is False
     assert report["packages"]["vllm"] is None and report["status"]["state"] == "unsupported"
@@ -47,3 +50,66 @@ def test_doctor_on_a_real_vllm_is_supported_and_lists_patches():
     assert report["fingerprints"][st["adapter"]] == []
     assert sum(1 for mm in report["fingerprints"].values() if not mm) == 1, "fingerprint not unique"
     assert report["plugin"]["registered"] is True
+
+
+def _doctor(py, path, *args, prefix, env=None):
+    code = NO_ENV.format(prefix=str(prefix)) + (
+        f"from speccompat.cli import main; sys.exit(main(['doctor', '--json', *{list(args)!r}]))")
+    proc = py(code, path=path, check=False, env=env)
+    return proc.returncode, json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("no_import", [True, False])
+def test_doctor_verdict_rests_on_the_probe_and_a_drifted_vllm_fails(tmp_path, py, no_import):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for root, drop in ((good, ()), (bad, ("vllm.v1.request:Request",))):
+        root.mkdir()
+        write_fake_vllm(root, [s for s in release_facts("0.32.0") if s.path not in drop], version="0.32.0")
+        write_fake_speculators(root, "0.4.0.1")
+    args = ["--no-import"] if no_import else []
+    code, report = _doctor(py, [good], *args, prefix=tmp_path)
+    assert code == 0 and report["verdict"].startswith("supported") and report["adapter_probed"] == "vllm_0_29_0"
+    assert ("note" in report) == no_import
+    code, report = _doctor(py, [bad], *args, prefix=tmp_path)
+    assert code == 1 and report["supported"] is False
+    if no_import:  # speculators not imported: only the fingerprint probe can tell, and it does
+        assert "drifted from adapter vllm_0_29_0: vllm.v1.request:Request: not found" in report["verdict"]
+        assert report["status"]["state"] == "armed"
+    else:
+        assert "DriftError" in report["verdict"] and "vllm.v1.request:Request" in report["verdict"]
+
+
+def test_doctor_uses_the_speculators_of_a_mkenv_environment(tmp_path, py):
+    write_fake_vllm(tmp_path, release_facts("0.32.0"), version="0.32.0")
+    folders = {}
+    for v in ("0.4.0", "0.4.0.1"):
+        folders[v] = str(tmp_path / f"speculators-{v}")
+        os.makedirs(folders[v])
+        write_fake_speculators(tmp_path / f"speculators-{v}", v)
+    prefix = tmp_path / "env"
+    prefix.mkdir()
+    (prefix / "speccompat-env.json").write_text(json.dumps({"vllm": "0.32.0", "speculators": folders}))
+    code, report = _doctor(py, [tmp_path], prefix=prefix)
+    assert code == 0, report["verdict"]
+    assert report["speculators_from_environment"] == "0.4.0.1" and report["status"]["speculators"]["raw"] == "0.4.0.1"
+    code, report = _doctor(py, [tmp_path], "--speculators", "0.4.0", prefix=prefix)
+    assert report["speculators_from_environment"] == "0.4.0" and report["status"]["speculators"]["raw"] == "0.4.0"
+    proc = py(NO_ENV.format(prefix=str(prefix)) + "from speccompat.cli import main; main(['doctor', '--speculators', '0.9'])",
+              path=[tmp_path], check=False)
+    assert proc.returncode != 0 and "speculators 0.9 is not in this environment (have ['0.4.0', '0.4.0.1'])" in proc.stderr
+    # speculators importable otherwise: the environment's folders are not consulted
+    write_fake_speculators(tmp_path, "0.4.0")
+    code, report = _doctor(py, [tmp_path], prefix=prefix)
+    assert report["speculators_from_environment"] is None and report["status"]["speculators"]["raw"] == "0.4.0"
+
+
+@pytest.mark.engine
+def test_doctor_in_a_mkenv_environment_needs_no_pythonpath():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", "speccompat", "doctor", "--json"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    newest = max(ENGINE_ENV["speculators"], key=lambda v: tuple(map(int, v.split("."))))
+    assert report["speculators_from_environment"] == newest
+    assert report["status"]["state"] == "active" and report["status"]["speculators"]["raw"] == newest

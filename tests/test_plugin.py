@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from fakes import write_fake_speculators, write_fake_vllm
-
-from speccompat.registry import by_name
+from fakes import release_facts, write_fake_speculators, write_fake_vllm
 
 
 @pytest.fixture
 def fake_world(tmp_path):
-    write_fake_vllm(tmp_path, list(by_name("vllm_0_29_0").requires.values()), version="0.32.0")
+    write_fake_vllm(tmp_path, release_facts("0.32.0"), version="0.32.0")
     write_fake_speculators(tmp_path, "0.4.0.1")
     return [tmp_path]
 

@@ -158,3 +158,43 @@ def test_staging_falls_back_to_inline_when_dev_shm_lacks_room(monkeypatch):
     staging.ready()
     assert "inline" in desc and staging.path is None
     assert torch.equal(transport.unpack(desc), layers)
+
+
+def test_a_staging_file_with_live_views_is_not_overwritten(monkeypatch):
+    """copy=False hands out views: the worker fills another file while they live, and reuses the
+    first (no new pages) once they are gone."""
+    monkeypatch.setattr(transport, "_MAPPED", {})
+    staging = transport.Staging()
+    try:
+        desc, buf = staging.allocate((4, 5000, 256), torch.float32, "cpu", busy=transport.busy())
+        buf.fill_(1.0)
+        kept = transport.unpack(desc)[2, 10:20]  # a view, as generate(copy=False) returns
+        assert transport.busy() == [desc["staging"]]
+        second, buf = staging.allocate((4, 5000, 256), torch.float32, "cpu", busy=transport.busy())
+        buf.fill_(2.0)
+        again = transport.unpack(second)
+        assert second["staging"] != desc["staging"] and len(second["pool"]) == 2
+        assert float(kept.min()) == float(kept.max()) == 1.0 and float(again[0, 0, 0]) == 2.0
+        del kept
+        del again
+        assert transport.busy() == []
+        third, buf = staging.allocate((4, 4000, 256), torch.float32, "cpu", busy=transport.busy())
+        assert third["staging"] in (desc["staging"], second["staging"]) and len(third["pool"]) == 2
+    finally:
+        staging.release()
+
+
+def test_a_free_file_too_small_is_replaced_not_kept(monkeypatch):
+    monkeypatch.setattr(transport, "_MAPPED", {})
+    staging = transport.Staging()
+    try:
+        small, _ = staging.allocate((4, 3000, 256), torch.float32, "cpu")
+        transport.unpack(small)
+        big, buf = staging.allocate((4, 30000, 256), torch.float32, "cpu", busy=transport.busy())
+        assert big["pool"] == [big["staging"]] and big["capacity"] >= 4 * 30000 * 256 * 4
+        buf.fill_(3.0)
+        out = transport.unpack(big)
+        assert list(transport._MAPPED[os.getpid()]) == [big["staging"]]  # the replaced mapping was dropped
+        assert float(out[3, -1, -1]) == 3.0
+    finally:
+        staging.release()

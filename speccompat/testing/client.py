@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 from typing import Any
 
-from .host import AUTHKEY, recv, send
+from .host import KEY_ENV, new_key, recv, send
 
 __all__ = ["EngineError", "EngineHost"]
 
@@ -66,11 +66,14 @@ class EngineHost:
     def start(self) -> EngineHost:
         from multiprocessing.connection import Listener
 
-        address = os.path.join(tempfile.gettempdir(), f"speccompat-host-{uuid.uuid4().hex[:12]}.sock")
-        listener = Listener(address, family="AF_UNIX", authkey=AUTHKEY)
+        self._dir = tempfile.mkdtemp(prefix="speccompat-host-")  # mode 0700: only this user gets in
+        address = os.path.join(self._dir, "engine.sock")
+        key = new_key()
+        listener = Listener(address, family="AF_UNIX", authkey=key)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")  # noqa: SIM115 - kept open for the process' lifetime
-        self.proc = subprocess.Popen([*self.args, "--address", address], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen([*self.args, "--address", address], stdout=log, stderr=subprocess.STDOUT,
+                                     env={**self.env, KEY_ENV: key.hex()})
         try:
             listener._listener._socket.settimeout(self.timeout)  # noqa: SLF001 - no public timeout
             self.conn = listener.accept()
@@ -123,6 +126,9 @@ class EngineHost:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
+        if getattr(self, "_dir", None):
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def __enter__(self) -> EngineHost:
         return self.start()

@@ -11,6 +11,11 @@ requests until it is told to stop or its parent goes away.
 Requests (pickled over ``multiprocessing.connection``): ``{"op": "generate", "token_ids": ...}``,
 ``{"op": "status"}``, ``{"op": "stop"}``. Replies: ``{"ok": True, "result": ...}`` or
 ``{"ok": False, "type": ..., "error": ..., "traceback": ...}``.
+
+Both ends unpickle what they receive, so the channel is private to one client and its host: the
+socket lives in a folder only the user can enter (mode 0700, made by the client), and the
+connection is authenticated with a random key made per host (``secrets.token_bytes``), handed
+to the host in its environment (``SPECCOMPAT_HOST_KEY``, hex), never on its command line.
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ import time
 import traceback
 from typing import Any
 
-AUTHKEY = b"speccompat-engine-host"
+#: Environment variable holding the per-host connection key (hex).
+KEY_ENV = "SPECCOMPAT_HOST_KEY"
+
+
+def new_key() -> bytes:
+    import secrets
+
+    return secrets.token_bytes(32)
 
 
 def send(conn: Any, obj: Any) -> None:
@@ -42,7 +54,10 @@ def recv(conn: Any) -> Any:
 def _serve(args: argparse.Namespace) -> None:
     from multiprocessing.connection import Client
 
-    conn = Client(args.address, authkey=AUTHKEY)
+    key = os.environ.pop(KEY_ENV, "")
+    if not key:
+        raise SystemExit(f"{KEY_ENV} is not set: the engine host is started by speccompat.testing.client")
+    conn = Client(args.address, authkey=bytes.fromhex(key))
     t0 = time.time()
     try:
         if not args.no_apply:

@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import ENGINE_ENV, NO_APPLY
 
-SPECULATORS = ("0.3.0", "0.4.0", "0.4.0.1")
+from speccompat.matrix import known_speculators
+
+#: The speculators versions the matrix speaks about (the one list, from the static evidence).
+SPECULATORS = tuple(known_speculators())
 KINDS = ("llama", "deepseek_v3")
 #: EAGLE-3 style: an early, two middle and the last decoder layer (6-layer tiny models).
 LAYER_IDS = [0, 2, 4, 5]

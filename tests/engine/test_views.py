@@ -1,0 +1,67 @@
+"""``generate(token_ids, copy=False)`` on the real engine: views of the worker's shared-memory file,
+equal to the copies, never overwritten while they live, and the file reused once they are gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .conftest import ENGINE_ENV, LAYER_IDS, mixed_sequences
+
+pytestmark = pytest.mark.engine
+
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+    import speccompat
+    speccompat.apply()
+    from speculators.data_generation import VllmHiddenStatesGenerator
+    from speccompat import transport
+
+    ckpt, layer_ids, a, b = json.loads(sys.argv[1])
+    gen = VllmHiddenStatesGenerator(ckpt, layer_ids=layer_ids, max_model_len=1024, gpu_memory_utilization=0.1)
+    copies = gen.generate(a)
+    views = gen.generate(a, copy=False)
+    storages = {t.untyped_storage().data_ptr() for r in views for t in r["hidden_states"]}
+    out = {
+        "same_values": all(torch.equal(x, y) for r, s in zip(copies, views) for x, y in zip(r["hidden_states"], s["hidden_states"])),
+        "view_storages": len(storages),
+        "copy_storages": len({t.untyped_storage().data_ptr() for r in copies for t in r["hidden_states"]}),
+        "busy_while_held": len(transport.busy()),
+        "staged": sum(len(m) for m in transport._MAPPED.values()),
+    }
+    held = [t.clone() for r in views for t in r["hidden_states"]]
+    other = gen.generate(b, copy=False)  # while `views` live: must land in another file
+    out["intact_after_next_call"] = all(torch.equal(t, c) for t, c in zip((t for r in views for t in r["hidden_states"]), held))
+    out["other_storage_differs"] = other[0]["hidden_states"][0].untyped_storage().data_ptr() not in storages
+    out["busy_both"] = len(transport.busy())
+    del views, other
+    out["busy_after_drop"] = len(transport.busy())
+    again = gen.generate(b, copy=False)
+    out["files_after_reuse"] = sum(len(m) for m in transport._MAPPED.values())
+    out["no_new_file"] = len(again[0]["hidden_states"]) == len(layer_ids)
+    print("RESULT " + json.dumps(out))
+''')
+
+
+def test_views_equal_the_copies_and_are_never_overwritten(engines, tmp_path):
+    ckpt = engines.checkpoint("llama")
+    # > transport.INLINE_LIMIT (4 MiB) per call, so that the states travel through shared memory
+    a, b = mixed_sequences(12, seed=21, lo=200, hi=600), mixed_sequences(10, seed=22, lo=200, hi=600)
+    env = {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": ENGINE_ENV["speculators"]["0.4.0.1"],
+           "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([str(ckpt), LAYER_IDS, a, b])],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-4000:]
+    out = json.loads(line[7:])
+    assert out["staged"] == 1 and out["same_values"], out
+    assert out["view_storages"] == 1 and out["copy_storages"] == len(a) * len(LAYER_IDS), out
+    assert out["busy_while_held"] == 1 and out["busy_both"] == 2 and out["busy_after_drop"] == 0, out
+    assert out["intact_after_next_call"] and out["other_storage_differs"], out
+    assert out["files_after_reuse"] == 2 and out["no_new_file"], out  # a free file was reused, none added

@@ -1,0 +1,190 @@
+"""Supporting a new vLLM release is one adapter module plus its evidence, and nothing else.
+
+In a temporary copy of the repository a synthetic release, vLLM 0.34.0, gets what the README's
+"Adding a vLLM release" asks for: ``adapters/vllm_0_34_0.py`` (subclassing the newest adapter,
+one ``Change``, one symbol new in 0.34.0) and its static evidence, made by running
+``scripts/static_check.py 0.34.0`` on a source tree of that release. Then, with no other file
+touched by hand: the registry serves 0.34.0 with the new adapter (and the old adapter stops
+matching it), the regenerated matrix has its cells, ``speccompat doctor`` on an installation of it
+picks the new adapter, and the nox sessions include it.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from fakes import release_facts, write_fake_speculators, write_fake_vllm
+
+from speccompat.probe import Symbol
+
+REPO = Path(__file__).resolve().parent.parent
+NEW_SYMBOL = Symbol("vllm.v1.request:Request.prefill_only", accepts=())
+
+ADAPTER = '''"""vLLM 0.34.0 (synthetic, for tests/test_new_release.py): Request grows prefill_only()."""
+
+from __future__ import annotations
+
+from speccompat.adapter import Change
+from speccompat.probe import Symbol, fingerprint
+
+from . import vllm_0_33_0 as prev
+
+
+class Adapter(prev.Adapter):
+    since = "0.34.0"
+    changes = (
+        Change(vllm="0.34.0", what="Request.prefill_only() appears", breaks="nothing (synthetic)",
+               how="nothing to do", remove_when="n/a"),
+    )
+    requires = fingerprint(prev.Adapter.requires, [Symbol("vllm.v1.request:Request.prefill_only", new=True)])
+'''
+
+NOX_STUB = '''
+"""Records what noxfile.py declares (the sessions and their parameters), as nox -l would list them."""
+SESSIONS = []
+class options:
+    sessions = []
+    reuse_existing_virtualenvs = False
+class Session:
+    pass
+def parametrize(names, values, ids=None):
+    def mark(fn):
+        fn.__nox_params__ = ids or [", ".join(map(str, v if isinstance(v, (list, tuple)) else [v])) for v in values]
+        return fn
+    return mark
+def session(fn=None, **kw):
+    def register(f):
+        name = kw.get("name") or f.__name__
+        params = getattr(f, "__nox_params__", None)
+        SESSIONS.extend([f"{name}({p})" for p in params] if params else [name])
+        return f
+    return register(fn) if fn is not None else register
+'''
+
+
+def _tree(tmp: Path) -> Path:
+    """A copy of the repository as far as the release list reaches, plus an installed-like site."""
+    repo = tmp / "repo"
+    (repo / "speccompat").mkdir(parents=True)
+    for f in (REPO / "speccompat").iterdir():
+        if f.name not in ("__pycache__", "compat_matrix.yaml"):
+            (repo / "speccompat" / f.name).symlink_to(f)
+    (repo / "speccompat" / "compat_matrix.yaml").symlink_to("../compat_matrix.yaml")
+    (repo / "adapters").mkdir()
+    for f in (REPO / "adapters").glob("*.py"):
+        (repo / "adapters" / f.name).symlink_to(f)
+    (repo / "evidence" / "static").mkdir(parents=True)
+    shutil.copy(REPO / "evidence" / "static" / "releases.json", repo / "evidence" / "static")
+    for sub in ("cpu", "gpu"):
+        (repo / "evidence" / sub).symlink_to(REPO / "evidence" / sub)
+    (repo / "scripts").mkdir()
+    for name in ("compat_matrix.yaml", "README.md", "noxfile.py", "scripts/static_check.py"):
+        shutil.copy(REPO / name, repo / name)
+    site = tmp / "site"  # what `pip install` of this tree would give: speccompat + speccompat.adapters
+    site.mkdir()
+    import packaging
+    import wrapt
+
+    for mod in (packaging, wrapt):
+        (site / Path(mod.__file__).parent.name).symlink_to(Path(mod.__file__).parent)
+    (site / "speccompat").mkdir()
+    for f in (repo / "speccompat").iterdir():
+        (site / "speccompat" / f.name).symlink_to(f.resolve() if f.name != "compat_matrix.yaml" else repo / f.name)
+    (site / "speccompat" / "adapters").symlink_to(repo / "adapters")
+    dist = site / "speccompat-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: speccompat\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nspeccompat = speccompat.plugin:register\n")
+    (tmp / "nox").mkdir()
+    (tmp / "nox" / "nox.py").write_text(NOX_STUB)
+    return repo
+
+
+def _run(tmp: Path, args: list[str], *, path: list[Path] = (), cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPECCOMPAT_", "PYTHON"))}
+    env["PYTHONPATH"] = os.pathsep.join(map(str, [*path, tmp / "site", tmp / "nox"]))
+    proc = subprocess.run([sys.executable, "-S", *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)
+    assert proc.returncode in (0, 3), f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _fake_release(root: Path, version: str) -> None:
+    """A vLLM tree shaped like 0.33.0's recorded facts plus the new symbol, reporting ``version``."""
+    write_fake_vllm(root, [*release_facts("0.33.0"), NEW_SYMBOL], version=version)
+    (root / "vllm" / "_version.py").write_text(f'__version__ = "{version}"\n')
+
+
+def test_a_new_release_needs_one_adapter_module_and_its_evidence(tmp_path):
+    repo = _tree(tmp_path)
+    before = {p.relative_to(repo): p.read_bytes() for p in repo.rglob("*") if p.is_file()
+              and "evidence/cpu" not in str(p) and "evidence/gpu" not in str(p)}
+
+    # 1. the adapter module, 2. its evidence: the static check of the release's sources
+    (repo / "adapters" / "vllm_0_34_0.py").write_text(ADAPTER)
+    sources = tmp_path / "sources"
+    _fake_release(sources / "0.34.0", "0.34.0")
+    out = _run(tmp_path, ["scripts/static_check.py", "--sources", str(sources), "--speculators", "--", "0.34.0"],
+               cwd=repo).stdout
+    assert "all ok" in out, out[-2000:]
+    evidence = json.loads((repo / "evidence" / "static" / "releases.json").read_text())
+    assert evidence["releases"][-2:] == ["0.33.0", "0.34.0"]
+    new = evidence["results"]["0.34.0"]
+    assert (new["ok"], new["adapter"], new["other_matches"]) == (True, "vllm_0_34_0", [])
+    # the older adapter is told apart by the symbol the new one marks new - derived, not written in it
+    assert new["distinguished_by"]["vllm_0_33_0"] == [NEW_SYMBOL.path]
+    assert evidence["results"]["0.32.0"] == json.loads((REPO / "evidence/static/releases.json").read_text())[
+        "results"]["0.32.0"]  # other releases kept as they were
+
+    # 3. the generated files follow from the evidence
+    _run(tmp_path, ["-m", "speccompat.matrix", "--write"], cwd=repo)
+    rows = [json.loads(line.strip()[2:]) for line in (repo / "compat_matrix.yaml").read_text().splitlines()
+            if line.strip().startswith("- {")]
+    cells = {(r["speculators"], r["vllm"]): r for r in rows}
+    for spec in evidence["speculators"]:
+        assert cells[(spec, "0.34.0")]["adapter"] == "vllm_0_34_0" and cells[(spec, "0.34.0")]["status"] == "static"
+    assert "| 0.34.0 | vllm_0_34_0 | static | static | static |" in (repo / "README.md").read_text()
+
+    # the registry, from an installation of this tree
+    code = textwrap.dedent("""
+        import json
+        from packaging.version import Version
+        from speccompat import registry
+        print(json.dumps([registry.by_version(Version("0.34.0")).name(), registry.by_version(Version("0.33.0")).name(),
+                          registry.fingerprint(registry.by_name("vllm_0_33_0"))[PATH].absent,
+                          PATH in registry.by_name("vllm_0_33_0").requires]))
+    """).replace("PATH", repr(NEW_SYMBOL.path))
+    got = json.loads(_run(tmp_path, ["-c", code], cwd=tmp_path).stdout.splitlines()[-1])
+    assert got == ["vllm_0_34_0", "vllm_0_33_0", True, False]  # derived absence; vllm_0_33_0 itself unchanged
+
+    # doctor on an installation of vLLM 0.34.0
+    installed = tmp_path / "installed"
+    _fake_release(installed, "0.34.0")
+    write_fake_speculators(installed, "0.4.0.1")
+    proc = _run(tmp_path, ["-c", f"import sys; sys.prefix = {str(tmp_path)!r}; from speccompat.cli import main; "
+                           "sys.exit(main(['doctor', '--json']))"], path=[installed], cwd=tmp_path)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 3 and report["verdict"].startswith("static only")
+    assert report["status"]["adapter"] == "vllm_0_34_0" and report["status"]["state"] == "active"
+    assert report["fingerprints"]["vllm_0_34_0"] == [] and report["fingerprints"]["vllm_0_33_0"]
+
+    # the nox sessions
+    code = "import runpy, json, nox; runpy.run_path('noxfile.py'); print(json.dumps(nox.SESSIONS))"
+    sessions = json.loads(_run(tmp_path, ["-c", code], cwd=repo).stdout.splitlines()[-1])
+    assert {f"static(0.34.0, speculators {s})" for s in evidence["speculators"]} <= set(sessions)
+
+    # nothing else changed: only the new module, its evidence and the files generated from it
+    after = {p.relative_to(repo): p.read_bytes() for p in repo.rglob("*") if p.is_file()
+             and "evidence/cpu" not in str(p) and "evidence/gpu" not in str(p) and "__pycache__" not in str(p)}
+    assert (repo / "speccompat" / "compat_matrix.yaml").resolve() == (repo / "compat_matrix.yaml").resolve()
+    changed = {str(p) for p in after.keys() | before.keys() if before.get(p) != after.get(p)}
+    changed.discard("speccompat/compat_matrix.yaml")  # the packaged copy is the root file (a link)
+    assert changed == {"adapters/vllm_0_34_0.py", "evidence/static/releases.json", "compat_matrix.yaml", "README.md"}
+    assert filecmp.cmp(repo / "noxfile.py", REPO / "noxfile.py", shallow=False)
