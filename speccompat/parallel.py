@@ -257,9 +257,10 @@ def run_ray(runs: list[EngineRun], *, address: str | None, gpus_per_engine: int,
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=5.0)
             for ref in ready:
-                k, _a = refs[ref]
+                k, a = refs[ref]
                 try:
                     runs[k].code = int(ray.get(ref))
+                    runs[k].done, runs[k].todo, _host = ray.get(a.progress.remote(), timeout=10)
                 except (RayActorError, RayTaskError) as exc:
                     logger.error("%s: its actor failed: %s", runs[k].name, str(exc).splitlines()[0])
                     runs[k].code = 1
