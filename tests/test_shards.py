@@ -389,3 +389,38 @@ def test_launcher_gives_each_engine_its_shard_and_gpus(monkeypatch, tmp_path):
         assert a[:2] == [sys.executable, "/x/drv.py"]
         # argparse keeps the last value: the engine's shard of the 12
         assert a[-6:] == ["--num-shards", "12", "--shard-index", str(4 + d), "--data-parallel-size", "1"]
+
+
+def test_speccompat_merge_command_exit_statuses(world, capsys):
+    from speccompat.cli import main
+
+    root, model, data, samples = world
+    prov = provenance(model)
+    out = root / "out"
+    run_shard(out, samples, prov, 0, 2)
+    held = open_shard(out, samples, prov, ShardSpec(2, 1, "t"))  # shard 1 still running
+    assert main(["merge", str(out)]) == 2
+    assert "merge when every shard has ended" in capsys.readouterr().err
+    for h in held.lock:
+        h.close()
+    assert main(["merge", str(out), "--inputs", str(data)]) == 1  # shard 1 never wrote anything
+    printed = capsys.readouterr()
+    n1 = sum(shard_of(s.id, 2) == 1 for s in samples)
+    assert printed.out.count("missing from the data set") == n1 and f"{n1} problem(s)" in printed.err
+    run_shard(out, samples, prov, 1, 2)
+    assert main(["merge", str(out), "--inputs", str(data)]) == 0
+    printed = capsys.readouterr()
+    assert f"{len(samples)} entries, 0 problem(s)" in printed.err and printed.out == ""
+    assert main(["merge", str(root / "nothing-here")]) == 2
+
+
+def test_ray_is_optional_and_says_what_to_install(monkeypatch):
+    from speccompat.parallel import EngineRun, run_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as when it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'speccompat\[ray\]'"):
+        run_ray([EngineRun("e", ["x"])], address="local", gpus_per_engine=1)
+    import subprocess
+
+    code = "import speccompat, speccompat.parallel, speccompat.dataset.shards, sys; print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
