@@ -81,3 +81,31 @@ def test_speculators_loader_reads_the_speculators_layout(tmp_path, version):
         assert "sample_lengths.json" in out["files"] and "data_format_version" not in cfg["format"]
         assert out["approx_lengths"] == out["lengths"]  # 0.4 reads sample_lengths.json: exact
     assert sum(out["freq"].values()) > 0
+
+
+@pytest.mark.skipif(ENGINE_ENV is None, reason="needs the speculators copies of a scripts/mkenv.py environment")
+def test_speculators_generator_refuses_a_colliding_default_before_any_engine(tmp_path):
+    """Under apply(), speculators' own VllmHiddenStatesGenerator(model) for a 6-layer model fails in
+    its __init__ (speccompat's generator.__init__ patch), naming [2, 3, 3, 5], with no engine."""
+    code = textwrap.dedent('''
+        import sys, time
+        sys.path.insert(0, sys.argv[2])
+        import speccompat
+        speccompat.apply()
+        from dataset_fakes import model_dir
+        from pathlib import Path
+        from speculators.data_generation import VllmHiddenStatesGenerator
+        model = model_dir(Path(sys.argv[1]))
+        t = time.monotonic()
+        try:
+            VllmHiddenStatesGenerator(str(model))
+        except ValueError as exc:
+            print("REFUSED", round(time.monotonic() - t, 2), exc)
+    ''')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ENGINE_ENV["speculators"]["0.4.0.1"], str(REPO)])}
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(REPO / "tests")], capture_output=True,
+                          text=True, env=env, timeout=300)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("REFUSED")), None)
+    assert line is not None, proc.stdout + proc.stderr[-3000:]
+    assert "[2, 3, 3, 5]" in line and float(line.split()[1]) < 1.0, line
+    assert "Initializing hidden states generator" not in proc.stderr  # speculators' __init__ never ran

@@ -59,6 +59,7 @@ class WriterStats:
     write_s: float = 0.0  # summed over threads
     commit_s: float = 0.0
     waited_s: float = 0.0  # time submit() blocked the caller on the in-flight budget
+    waits: int = 0  # submit() calls that blocked
     peak_in_flight: int = 0
 
 
@@ -101,6 +102,8 @@ class DatasetWriter:
         size = sum(j.nbytes for j in jobs)
         t0 = time.perf_counter()
         with self.cond:
+            if self.in_flight and self.in_flight + size > self.budget:
+                self.stats.waits += 1
             while self.in_flight and self.in_flight + size > self.budget and self.error is None:
                 self.cond.wait()
             self.in_flight += size

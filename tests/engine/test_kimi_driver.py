@@ -2,12 +2,13 @@
 DeepseekV3 checkpoint (Kimi-K2.5's text architecture, with a tokenizer that is remote code as
 Kimi-K2.5's): prepare_data.py, then extract_hidden_states.py as a subprocess.
 
-Four engine start-ups in all: the shared run (mixed input, bad lines skipped, hostile ids, files
+Six engine start-ups in all: the shared run (mixed input, bad lines skipped, hostile ids, files
 checked against transformers, then every refusal that must come before an engine: bad lines, a
 changed model, a changed loss_mask, a colliding default of layer ids, unusable output dirs; and
 ``speccompat verify`` on planted problems), a run that fills its disk (a small tmpfs) mid-run, its
 resume (with a same-size corruption planted in a finished file; the result is byte-identical to
-the uninterrupted run), and a ``--format speculators`` run read by speculators' own loaders."""
+the uninterrupted run), a run killed with SIGKILL and its resume (byte-identical too), and a
+``--format speculators`` run read by speculators' own loaders."""
 
 from __future__ import annotations
 
@@ -402,6 +403,41 @@ def test_a_full_disk_mid_run_loses_nothing_and_the_resume_is_byte_identical(shar
     for sample_id, e in after.items():  # byte for byte what the uninterrupted shared run wrote
         assert (out / e["file"]).read_bytes() == shared.file_of(sample_id).read_bytes(), sample_id
     assert verify(out).returncode == 0
+
+
+def test_sigkill_then_resume_is_byte_identical_and_rewrites_nothing(shared, tmp_path):
+    import signal
+
+    out = tmp_path / "hs"
+    limit = ["--limit", "6", "--on-bad-line", "skip"]
+    with open(tmp_path / "killed.log", "wb") as log:
+        proc = subprocess.Popen(driver_args(shared.model, shared.data, out, *limit), stdout=log,
+                                stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            if out.is_dir() and any(out.glob("*.safetensors")):
+                os.killpg(proc.pid, signal.SIGKILL)  # the driver and its engine workers, like a crash
+                break
+            time.sleep(0.02)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the driver ended before any file was written; cannot test the kill"
+    for _ in range(200):  # the whole process group gone
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    _, entries = manifest(out)
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.safetensors")}
+    assert 1 <= len(finished) < 6 and set(finished) <= {e["file"] for e in entries.values()}
+    proc2 = run_driver(shared.model, shared.data, out, *limit)
+    assert proc2.returncode == 0, proc2.stderr[-4000:]
+    _, after = manifest(out)
+    assert len(after) == 6 and not list(out.glob("*.partial"))
+    for sample_id, e in after.items():
+        assert (out / e["file"]).read_bytes() == shared.file_of(sample_id).read_bytes(), sample_id
+    still = {n: ((out / n).stat().st_ino, (out / n).stat().st_mtime_ns) for n in finished}
+    assert still == finished, "finished files were rewritten"
 
 
 # --------------------------------------------------------------------------------------------
