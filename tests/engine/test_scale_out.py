@@ -1,9 +1,10 @@
 """Scale-out of the example driver on the real CPU engine (tiny Llama): several engines, shards,
 a killed shard, a re-shard, Ray actors; each compared with one uninterrupted single-engine run.
 
-Engine start-ups (30-90 s each on the 2-core machine): the reference run (1), two engines side by
+Engine start-ups (30-150 s each on the 2-core machine): the reference run (1), two engines side by
 side (2), a shard killed mid-run and re-run (2), a re-shard from 2 to 3 shards (up to 3, side by
-side), two Ray actors on a local cluster (2)."""
+side), two Ray actors on a local cluster (2), two engines of which one is killed, and the re-run
+(2 + 1)."""
 
 from __future__ import annotations
 
@@ -216,6 +217,50 @@ def test_two_ray_actors_on_a_local_cluster_make_the_same_data_set(world):
         assert f"engine {k} (shard {k} of 2): exit 0" in log
     assert f"job progress: {SAMPLES}/{SAMPLES} samples extracted by 2 engine(s) (0 running)" in log
     assert f"complete: 2 manifest part(s) merged, all {SAMPLES} input samples present once" in log
+    v = verify(out)
+    assert v.returncode == 0, v.stdout + v.stderr
+    identical = same_as_reference(out, world.ref)
+    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+
+
+def test_an_engine_that_dies_is_reported_and_a_rerun_retries_its_samples(world):
+    import re
+
+    out = world.root / "dp-failure"
+    part1 = out / "manifest.shard-00001-of-00002.jsonl"
+    log_path = world.root / "dp-failure.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(driver_args(world.model, world.data, out, "--data-parallel-size", "2"), stdout=log,
+                                stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+        deadline = time.monotonic() + TIMEOUT
+        child = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if child is None:
+                m = re.search(r"engine 1 \(shard 1 of 2\): started \(pid (\d+)\)", log_path.read_text())
+                child = int(m.group(1)) if m else None
+            elif part1.exists() and len(part1.read_text().splitlines()) >= 3:
+                os.kill(child, signal.SIGKILL)  # engine 1's driver process dies mid-run
+                break
+            time.sleep(0.05)
+        proc.wait(TIMEOUT)
+    text = log_path.read_text()
+    assert proc.returncode == 128 + signal.SIGKILL, text[-3000:]
+    assert "engine 1 (shard 1 of 2): exit -9 (killed by SIGKILL)" in text
+    assert "engine 0 (shard 0 of 2): exit 0" in text
+    assert "1 of 2 engine(s) did not finish their shard" in text and "re-run the same command" in text
+    assert list(out.glob("manifest.shard-*")) and not (out / "manifest.jsonl").exists()  # not merged
+    finished = part_ids(out)
+    before = stamps(out)
+    assert len(finished) < SAMPLES
+
+    proc = run_driver(world.model, world.data, out, "--data-parallel-size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[engine 0 (shard 0 of 2)]" in proc.stderr and "nothing to do" in proc.stderr
+    w = re.search(r"\[engine 1 \(shard 1 of 2\)\] .*summary: (\d+) written, (\d+) already done", proc.stderr)
+    assert w is not None and int(w.group(1)) == SAMPLES - len(finished)
+    after = stamps(out)
+    assert all(after[name] == st for name, st in before.items())
+    assert f"complete: 2 manifest part(s) merged, all {SAMPLES} input samples present once" in proc.stderr
     v = verify(out)
     assert v.returncode == 0, v.stdout + v.stderr
     identical = same_as_reference(out, world.ref)
