@@ -70,10 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO")
     sc = ap.add_argument_group("scale-out (docs/scale-out.md)")
     sc.add_argument("--num-shards", type=_positive_int, default=None,
-                    help="split the input into N shards by a hash of each id (default: SLURM_ARRAY_TASK_COUNT, "
+                    help="split the input into N shards by a hash of each id (when not given: SLURM_ARRAY_TASK_COUNT, "
                          "else WORLD_SIZE, else 1); every shard writes its own manifest part into --output-dir")
     sc.add_argument("--shard-index", type=int, default=None,
-                    help="this process's shard, 0..N-1 (default: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, "
+                    help="this process's shard, 0..N-1 (when not given: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, "
                          "else RANK)")
     sc.add_argument("--data-parallel-size", type=_positive_int, default=1,
                     help="engines of --tp-size GPUs each, one shard each, side by side on this host "
