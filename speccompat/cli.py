@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     from .dataset import verify as _verify
 
     _verify.add_parser(sub)
+    from .dataset import shards as _shards
+
+    _shards.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd in (None, "doctor"):
         as_json = getattr(args, "json", False)
@@ -223,5 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_demo(args.model, args.workdir, args.sequences, args.speculators)
     if args.cmd == "verify":
         return _verify.main(args)
+    if args.cmd == "merge":
+        return _shards.main(args)
     ap.print_help()
     return 2

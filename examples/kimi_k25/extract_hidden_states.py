@@ -68,6 +68,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--token-freq-path", type=Path, default=None,
                     help="--format speculators: token-frequency file (default: <output-dir>.token_freq.pt)")
     ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO")
+    sc = ap.add_argument_group("scale-out (docs/scale-out.md)")
+    sc.add_argument("--num-shards", type=_positive_int, default=None,
+                    help="split the input into N shards by a hash of each id (when not given: SLURM_ARRAY_TASK_COUNT, "
+                         "else WORLD_SIZE, else 1); every shard writes its own manifest part into --output-dir")
+    sc.add_argument("--shard-index", type=int, default=None,
+                    help="this process's shard, 0..N-1 (when not given: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, "
+                         "else RANK)")
+    sc.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                    help="engines of --tp-size GPUs each, one shard each, side by side on this host "
+                         "(or Ray actors with --ray); the data set is merged when all have finished")
+    sc.add_argument("--ray", action="store_true",
+                    help="run the --data-parallel-size engines as Ray actors on an existing cluster")
+    sc.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                    help="the Ray cluster (host:port, auto, or local: a one-node cluster in this process)")
     return ap.parse_args(argv)
 
 
@@ -150,9 +164,13 @@ def extract(args: argparse.Namespace) -> int:
         scan_jsonl,
     )
     from speccompat.dataset.fsutil import human
+    from speccompat.dataset.shards import open_shard, resolve_shard
     from speccompat.layers import LayerIdsError, resolve_layer_ids
 
     started = time.monotonic()
+    shard = resolve_shard(args.num_shards, args.shard_index)
+    if shard.num_shards > 1:
+        logger.info("%s", shard)
     status = speccompat.apply()  # cheap: imports neither torch nor vLLM
     if status.state not in ("armed", "active"):
         raise Rejected(f"speccompat could not adapt this installation ({status.state}): "
@@ -168,13 +186,19 @@ def extract(args: argparse.Namespace) -> int:
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=layer_ids, dtype=args.dtype,
                               max_seq_len=args.max_seq_len, on_long_line=args.on_long_line,
                               tensor_parallel_size=args.tp_size, layout=args.format, status=status)
-    ds = open_dataset(args.output_dir, scan.samples, prov, overwrite=args.overwrite,
-                      speculators_version=status.speculators.get("raw"))
+    if shard.num_shards > 1:
+        ds = open_shard(args.output_dir, scan.samples, prov, shard, overwrite=args.overwrite,
+                        speculators_version=status.speculators.get("raw"))
+    else:
+        ds = open_dataset(args.output_dir, scan.samples, prov, overwrite=args.overwrite,
+                          speculators_version=status.speculators.get("raw"))
     ds.extra.update(train_data_path=str(args.prepared_data), gpu_memory_utilization=args.gpu_memory_utilization,
                     max_samples=args.limit)
     if not ds.todo:
-        ds.finish(args.token_freq_path)
-        logger.info("nothing to do: every sample has an intact file in %s", args.output_dir)
+        if shard.num_shards == 1:
+            ds.finish(args.token_freq_path)
+        logger.info("nothing to do: every sample%s has an intact file in %s",
+                    f" of shard {shard.index} of {shard.num_shards}" if shard.num_shards > 1 else "", args.output_dir)
         return EXIT_OK
 
     t0 = time.monotonic()
@@ -224,7 +248,10 @@ def extract(args: argparse.Namespace) -> int:
         stats = writer.close(raise_error=False)
         stop_generator(gen)
     loop_s = max(time.monotonic() - loop_start, 1e-9)
-    if code == EXIT_OK:
+    if code == EXIT_OK and shard.num_shards > 1:
+        logger.info("shard %d of %d done; when every shard is: speccompat merge %s --inputs %s", shard.index,
+                    shard.num_shards, args.output_dir, args.prepared_data)
+    elif code == EXIT_OK:
         try:
             ds.finish(args.token_freq_path)
         except OSError as exc:
@@ -253,9 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    use_spawn()
     from speccompat.dataset import EXIT_REJECTED, Rejected
 
+    if args.ray or args.data_parallel_size > 1:
+        from speccompat.parallel import launch_engines
+
+        try:
+            return launch_engines(args, sys.argv[1:] if argv is None else argv, Path(__file__).resolve())
+        except Rejected as exc:
+            logger.error("%s", exc)
+            return EXIT_REJECTED
+    use_spawn()
     try:
         return extract(args)
     except Rejected as exc:

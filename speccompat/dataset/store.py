@@ -116,6 +116,11 @@ def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any
     layout = layout_named(provenance["layout"], layer_ids)
     check_output_dir(out_dir)
     lock = lock_output_dir(out_dir)
+    from .shards import find_parts
+
+    if parts := find_parts(out_dir):
+        raise Rejected(f"{out_dir} holds {len(parts)} manifest part(s) of a sharded extraction ({parts[0].name} ...): "
+                       "run `speccompat merge DIR` first, or keep running it with --num-shards")
     leftovers = sorted(p for p in out_dir.iterdir() if p.name.endswith(TMP_SUFFIX))
     for p in leftovers:
         p.unlink()

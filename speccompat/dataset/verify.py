@@ -136,6 +136,8 @@ def verify_dataset(out_dir: Path, threads: int = 4) -> tuple[list[str], int]:
     for p in sorted(out_dir.iterdir()):
         if p.name not in known:
             kind = "temporary file of an interrupted run" if p.name.endswith(".partial") else "not in the manifest"
+            if p.name.startswith("manifest.shard-"):
+                kind = f"a manifest part not merged: run `speccompat merge {out_dir}`"
             problems.append(f"{p.name}: extra file ({kind})")
     return problems, len(entries)
 
@@ -151,7 +153,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     out_dir: Path = args.dir
     if not out_dir.is_dir() or not (out_dir / MANIFEST_NAME).is_file():
-        print(f"{out_dir}: not a data set directory (no {MANIFEST_NAME})", file=sys.stderr)
+        from .shards import find_parts
+
+        parts = find_parts(out_dir) if out_dir.is_dir() else []
+        hint = f"; it holds {len(parts)} manifest part(s): run `speccompat merge {out_dir}`" if parts else ""
+        print(f"{out_dir}: not a data set directory (no {MANIFEST_NAME}){hint}", file=sys.stderr)
         return 2
     problems, n = verify_dataset(out_dir, args.threads)
     for line in problems:

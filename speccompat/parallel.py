@@ -1,0 +1,349 @@
+"""Several engines for one extraction: child processes on this host, or Ray actors on a cluster.
+
+Each engine is one run of a driver command for one shard (``--num-shards T --shard-index k``);
+all of them write into the same data set (``speccompat.dataset.shards``: one manifest part per
+shard, merged at the end). :func:`run_local` starts the commands as child processes (GPUs split
+with ``CUDA_VISIBLE_DEVICES``, see :func:`partition_devices`), prefixes their output with the
+engine's name, logs the whole job's progress and returns every exit status. :func:`run_ray` runs
+the same commands inside Ray actors (``num_gpus`` = GPUs per engine) on an existing cluster
+(``ray.init(address=...)``). Ray is an optional extra (``pip install 'speccompat[ray]'``), imported
+only by :func:`run_ray`.
+
+Only the standard library is imported here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineRun", "exit_meaning", "partition_cpus", "partition_devices", "run_local", "run_ray", "worst"]
+
+logger = logging.getLogger("speccompat.parallel")
+
+#: The whole job's progress at most this often.
+PROGRESS_EVERY_S = 30.0
+#: Lines of a driver's log that say how far its shard is (the example drivers log both).
+_PROGRESS = re.compile(r"progress: (\d+)/(\d+) samples")
+_TODO = re.compile(r"(\d+) to extract")
+
+
+@dataclass
+class EngineRun:
+    """One engine of the job: a name for the log, the command (for Ray: its arguments after the
+    Python executable, run with the actor's own interpreter) and environment changes."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    done: int = 0
+    todo: int | None = None
+    code: int | None = None
+
+    def feed(self, line: str) -> None:
+        if (m := _PROGRESS.search(line)) is not None:
+            self.done, self.todo = int(m.group(1)), int(m.group(2))
+        elif self.todo is None and (m := _TODO.search(line)) is not None:
+            self.todo = int(m.group(1))
+
+
+def exit_meaning(code: int) -> str:
+    if code == 0:
+        return "every sample of its shard written"
+    if code == 2:
+        return "refused before its engine started"
+    if code < 0 or code > 128:
+        sig = -code if code < 0 else code - 128
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return "failed (its finished samples are kept; a re-run resumes the rest)"
+
+
+def worst(codes: list[int]) -> int:
+    """The job's exit status: 0 only when every engine exited 0; a signal counts as 128 + signal."""
+    norm = [128 - c if c < 0 else c for c in codes]
+    return max(norm, default=0)
+
+
+def partition_devices(engines: int, per_engine: int, env: Mapping[str, str] | None = None) -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` for each engine: consecutive groups of ``per_engine`` of the visible
+    devices (``CUDA_VISIBLE_DEVICES`` when set, else the GPUs the NVIDIA driver lists). None when
+    this host has no NVIDIA GPU (CPU engines). Raises ValueError when there are too few."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip():
+        devices = [d.strip() for d in visible.split(",") if d.strip()]
+        where = f"CUDA_VISIBLE_DEVICES={visible}"
+    else:
+        gpus = Path("/proc/driver/nvidia/gpus")
+        count = len(list(gpus.iterdir())) if gpus.is_dir() else 0
+        if count == 0:
+            return None
+        devices = [str(i) for i in range(count)]
+        where = f"{count} GPUs listed by the NVIDIA driver"
+    need = engines * per_engine
+    if len(devices) < need:
+        raise ValueError(f"{engines} engines of {per_engine} GPU(s) need {need} GPUs; this host has {where}")
+    return [",".join(devices[d * per_engine:(d + 1) * per_engine]) for d in range(engines)]
+
+
+def partition_cpus(engines: int, per_engine: int) -> list[str] | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for CPU engines: this process's cores split between the
+    engines (and within one between its tensor-parallel ranks, ``|``-separated), so that engines
+    do not compete for the same cores. None when there are fewer cores than ranks."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    ranks = engines * per_engine
+    if len(cores) < ranks:
+        return None
+    size = len(cores) // ranks
+    groups = [",".join(map(str, cores[r * size:(r + 1) * size])) for r in range(ranks)]
+    return ["|".join(groups[d * per_engine:(d + 1) * per_engine]) for d in range(engines)]
+
+
+def _log_job(runs: list[EngineRun], started: float) -> None:
+    known = [r for r in runs if r.todo is not None]
+    done = sum(r.done for r in runs)
+    todo = sum(r.todo or 0 for r in known)
+    running = sum(r.code is None for r in runs)
+    logger.info("job progress: %d/%s samples extracted by %d engine(s) (%d running), %.0f s", done,
+                todo if len(known) == len(runs) else f"{todo}+", len(runs), running, time.monotonic() - started)
+
+
+def run_local(runs: list[EngineRun], *, out: Any = None) -> list[int]:
+    """Start every run as a child process, copy its output (prefixed ``[name]``) to ``out``
+    (stderr), log the job's progress, and return the exit statuses once all have ended. SIGTERM
+    or Ctrl-C is passed on to every child (which keeps its finished samples)."""
+    out = sys.stderr if out is None else out
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    started = time.monotonic()
+
+    def pump(run: EngineRun, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            run.feed(line)
+            with lock:
+                out.write(f"[{run.name}] {line}")
+                out.flush()
+
+    def stop(signum: int, _frame: Any) -> None:
+        logger.error("signal %d: stopping %d engine(s)", signum, sum(p.poll() is None for p in procs))
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
+    pumps = []
+    try:
+        for run in runs:
+            p = subprocess.Popen(run.argv, env={**os.environ, **run.env}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace")
+            procs.append(p)
+            logger.info("%s: started (pid %d)%s", run.name, p.pid,
+                        "".join(f", {k}={v}" for k, v in sorted(run.env.items())))
+            t = threading.Thread(target=pump, args=(run, p), daemon=True)
+            t.start()
+            pumps.append(t)
+        last = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            try:
+                time.sleep(0.5)
+            except KeyboardInterrupt:
+                stop(signal.SIGINT, None)
+                continue
+            for run, p in zip(runs, procs, strict=True):
+                if run.code is None and p.poll() is not None:
+                    run.code = p.returncode
+                    logger.log(logging.INFO if run.code == 0 else logging.ERROR, "%s: exit %d (%s)", run.name,
+                               run.code, exit_meaning(run.code))
+            if time.monotonic() - last >= PROGRESS_EVERY_S:
+                last = time.monotonic()
+                _log_job(runs, started)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        for p in procs:
+            if p.poll() is None:  # only after an exception in this loop
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    for t in pumps:
+        t.join(10)
+    for run, p in zip(runs, procs, strict=True):
+        if run.code is None:
+            run.code = p.returncode
+            logger.log(logging.INFO if run.code == 0 else logging.ERROR, "%s: exit %d (%s)", run.name, run.code,
+                       exit_meaning(run.code))
+    _log_job(runs, started)
+    return [r.code if r.code is not None else 1 for r in runs]
+
+
+class _ShardActor:
+    """A Ray actor running one engine's command as a child process of the actor (so an engine
+    crash is an exit status, not a lost actor; ``CUDA_VISIBLE_DEVICES`` is the one Ray set)."""
+
+    def __init__(self) -> None:
+        self.run_state = EngineRun("", [])
+
+    def run(self, name: str, args: list[str], env: dict[str, str]) -> int:
+        self.run_state = EngineRun(name, [sys.executable, *args], env)
+        proc = subprocess.Popen(self.run_state.argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace")
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.run_state.feed(line)
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+        self.run_state.code = proc.wait()
+        return self.run_state.code
+
+    def progress(self) -> tuple[int, int | None, str]:
+        import socket
+
+        return self.run_state.done, self.run_state.todo, socket.gethostname()
+
+
+def run_ray(runs: list[EngineRun], *, address: str | None, gpus_per_engine: int, cpus_per_engine: float = 1.0,
+            on_progress: Callable[[list[EngineRun]], None] | None = None) -> list[int]:
+    """Run each engine's command in a Ray actor with ``gpus_per_engine`` GPUs (0 on a cluster
+    without GPUs) and return the exit statuses. ``address``: a cluster's address, ``auto`` (the
+    one this node belongs to; Ray reads ``RAY_ADDRESS`` itself) or ``local`` (start a
+    single-node cluster in this process, for trying things out). ``EngineRun.argv`` is the
+    command after the Python executable: the actors run it with their own interpreter, so the
+    script, the model and the output directory must be at the same paths on every node."""
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("--ray needs Ray, an optional extra: pip install 'speccompat[ray]' (or pip install ray)") \
+            from None
+    from ray.exceptions import RayActorError, RayTaskError
+
+    started = time.monotonic()
+    kw: dict[str, Any] = {"include_dashboard": False} if address == "local" else {}
+    ray.init(address=None if address == "local" else address, log_to_driver=True, **kw)
+    try:
+        res = ray.cluster_resources()
+        gpus = res.get("GPU", 0)
+        logger.info("Ray cluster %s: %d node(s), %g CPUs, %g GPUs", address, len(ray.nodes()), res.get("CPU", 0), gpus)
+        if gpus_per_engine and gpus == 0:
+            logger.warning("the Ray cluster has no GPUs: the %d engine(s) run on CPU", len(runs))
+            gpus_per_engine = 0
+        elif gpus_per_engine and gpus < gpus_per_engine:
+            raise ValueError(f"an engine needs {gpus_per_engine} GPUs, the Ray cluster has {gpus:g}")
+        elif gpus_per_engine * len(runs) > gpus:
+            logger.warning("%d engines of %d GPUs exceed the cluster's %g GPUs: some wait for others to finish",
+                           len(runs), gpus_per_engine, gpus)
+        actor_cls = ray.remote(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine, max_concurrency=2)(_ShardActor)
+        actors = [actor_cls.remote() for _ in runs]
+        refs = {a.run.remote(r.name, r.argv, r.env): (k, a) for k, (a, r) in enumerate(zip(actors, runs, strict=True))}
+        for r in runs:
+            logger.info("%s: submitted to Ray (%d GPU(s))", r.name, gpus_per_engine)
+        pending = list(refs)
+        last = time.monotonic()
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=5.0)
+            for ref in ready:
+                k, a = refs[ref]
+                try:
+                    runs[k].code = int(ray.get(ref))
+                    runs[k].done, runs[k].todo, _host = ray.get(a.progress.remote(), timeout=10)
+                except (RayActorError, RayTaskError) as exc:
+                    logger.error("%s: its actor failed: %s", runs[k].name, str(exc).splitlines()[0])
+                    runs[k].code = 1
+                logger.log(logging.INFO if runs[k].code == 0 else logging.ERROR, "%s: exit %d (%s)", runs[k].name,
+                           runs[k].code, exit_meaning(runs[k].code))
+            if time.monotonic() - last >= PROGRESS_EVERY_S or not pending:
+                last = time.monotonic()
+                for ref in pending:
+                    k, a = refs[ref]
+                    try:
+                        runs[k].done, runs[k].todo, _host = ray.get(a.progress.remote(), timeout=10)
+                    except Exception:  # noqa: BLE001 - a busy or dead actor: its last figures stay
+                        pass
+                if on_progress is not None:
+                    on_progress(runs)
+                _log_job(runs, started)
+        return [r.code if r.code is not None else 1 for r in runs]
+    finally:
+        ray.shutdown()
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    return [a for a in argv if a != flag]
+
+
+def launch_engines(args: Any, argv: list[str], script: Path) -> int:
+    """The example drivers' ``--data-parallel-size D`` / ``--ray``: D engines of ``--tp-size`` GPUs,
+    each the same driver command for one shard. Within a job of N shards given by
+    ``--num-shards``/``--shard-index`` (or SLURM/``RANK``), this process's shard K becomes shards
+    K*D .. K*D+D-1 of N*D. Exit status: the worst engine's; when this process is the whole job (N
+    is 1) and every engine succeeded, the parts are merged and checked against the input."""
+    from .dataset.errors import Rejected
+    from .dataset.shards import resolve_shard
+
+    outer = resolve_shard(args.num_shards, args.shard_index)
+    D = args.data_parallel_size
+    total = outer.num_shards * D
+    logger.info("%s; %d engine(s) of %d GPU(s) each on %s: shards %d..%d of %d", outer, D, args.tp_size,
+                "Ray" if args.ray else "this host", outer.index * D, outer.index * D + D - 1, total)
+    base = _without(list(argv), "--ray")
+    runs = []
+    for d in range(D):
+        k = outer.index * D + d
+        tail = [*base, "--num-shards", str(total), "--shard-index", str(k), "--data-parallel-size", "1"]
+        runs.append(EngineRun(f"engine {d} (shard {k} of {total})", [str(script), *tail]))
+    if args.ray:
+        try:
+            codes = run_ray(runs, address=args.ray_address, gpus_per_engine=args.tp_size)
+        except (ImportError, ValueError) as exc:
+            raise Rejected(str(exc)) from None
+    else:
+        try:
+            devices = partition_devices(D, args.tp_size)
+        except ValueError as exc:
+            raise Rejected(str(exc)) from None
+        cpus = partition_cpus(D, args.tp_size) if devices is None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ \
+            else None
+        for d, run in enumerate(runs):
+            run.argv = [sys.executable, *run.argv]
+            if devices is not None:
+                run.env["CUDA_VISIBLE_DEVICES"] = devices[d]
+            if cpus is not None:
+                run.env["VLLM_CPU_OMP_THREADS_BIND"] = cpus[d]
+        codes = run_local(runs)
+    code = worst(codes)
+    failed = [r for r in runs if r.code]
+    if failed:
+        logger.error("%d of %d engine(s) did not finish their shard: %s. Finished samples are kept: re-run the "
+                     "same command to retry the rest", len(failed), len(runs),
+                     "; ".join(f"{r.name}: exit {r.code} ({exit_meaning(r.code or 1)})" for r in failed))
+        return code
+    if outer.num_shards > 1:
+        logger.info("this process's %d shard(s) are done; when every shard of the job is: speccompat merge %s "
+                    "--inputs %s", D, args.output_dir, args.prepared_data)
+        return code
+    from .dataset.shards import finish_job
+
+    try:
+        return finish_job(args.output_dir, args.prepared_data, limit=args.limit,
+                          token_freq_path=getattr(args, "token_freq_path", None),
+                          extra={"train_data_path": str(args.prepared_data),
+                                 "gpu_memory_utilization": getattr(args, "gpu_memory_utilization", 0.0),
+                                 "max_samples": args.limit})
+    except Rejected as exc:
+        logger.error("%s", exc)
+        return 1

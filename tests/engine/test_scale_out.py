@@ -1,0 +1,267 @@
+"""Scale-out of the example driver on the real CPU engine (tiny Llama): several engines, shards,
+a killed shard, a re-shard, Ray actors; each compared with one uninterrupted single-engine run.
+
+Engine start-ups (30-150 s each on the 2-core machine): the reference run (1), two engines side by
+side (2), a shard killed mid-run and re-run (2), a re-shard from 2 to 3 shards (up to 3, side by
+side), two Ray actors on a local cluster (2), two engines of which one is killed, and the re-run
+(2 + 1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ENGINE_ENV
+
+pytestmark = pytest.mark.engine
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = REPO / "examples" / "kimi_k25" / "extract_hidden_states.py"
+LAYER_IDS = [0, 2, 4, 5]
+MAX_SEQ_LEN = 256
+SAMPLES = 30
+TIMEOUT = 900
+EPOCH = "1700000000"  # SOURCE_DATE_EPOCH: one provenance date, so that data sets compare byte for byte
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": ENGINE_ENV["speculators"]["0.4.0.1"],
+            "SOURCE_DATE_EPOCH": EPOCH}
+
+
+def driver_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(DRIVER), "--model-path", str(model), "--prepared-data", str(data),
+            "--output-dir", str(out), "--layer-ids", *map(str, LAYER_IDS), "--max-seq-len", str(MAX_SEQ_LEN),
+            "--batch-size", "1", "--tp-size", "1", "--gpu-memory-utilization", "0.1", *extra]
+
+
+def run_driver(model: Path, data: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(driver_args(model, data, out, *extra), capture_output=True, text=True, env=_env(),
+                          timeout=TIMEOUT, cwd=REPO)
+    n = len(list(data.parent.glob("driver-*.log")))
+    (data.parent / f"driver-{n}.log").write_text(f"{proc.args}\nexit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def entries(out: Path) -> tuple[str, dict[str, dict]]:
+    lines = (out / "manifest.jsonl").read_text().splitlines()
+    return lines[0], {e["id"]: e for e in map(json.loads, lines[1:])}
+
+
+def part_ids(out: Path) -> set[str]:
+    """Ids of the entries of every manifest part whose file is in place."""
+    ids = set()
+    for p in out.glob("manifest.shard-*.jsonl"):
+        for line in p.read_text().splitlines()[1:]:
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue  # a torn last line
+            if (out / e["file"]).exists():
+                ids.add(e["id"])
+    return ids
+
+
+def stamps(out: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.safetensors")}
+
+
+def same_as_reference(out: Path, ref: Path) -> int:
+    """Assert ``out`` holds the reference's samples, shapes, provenance and (within bf16 batch noise)
+    values; return how many files are byte-identical."""
+    import torch
+    from safetensors import safe_open
+
+    head, got = entries(out)
+    ref_head, want = entries(ref)
+    assert json.loads(head)["provenance"] == json.loads(ref_head)["provenance"]
+    assert head == ref_head
+    assert sorted(got) == sorted(want)
+    identical = 0
+    for i, e in want.items():
+        g = got[i]
+        assert (g["file"], g["input_sha256"], g["num_tokens"]) == (e["file"], e["input_sha256"], e["num_tokens"])
+        assert {k: (v["dtype"], v["shape"]) for k, v in g["tensors"].items()} == \
+            {k: (v["dtype"], v["shape"]) for k, v in e["tensors"].items()}
+        with safe_open(str(out / g["file"]), "pt") as fa, safe_open(str(ref / e["file"]), "pt") as fb:
+            assert fa.metadata() == fb.metadata()
+            for k in fb.keys():
+                a, b = fa.get_tensor(k), fb.get_tensor(k)
+                if k.startswith("hidden_states_"):
+                    torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=2e-2, msg=f"{i} {k}")
+                else:
+                    assert torch.equal(a, b), (i, k)
+        identical += (out / g["file"]).read_bytes() == (ref / e["file"]).read_bytes()
+    return identical
+
+
+def verify(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "speccompat", "verify", str(out), *extra], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+
+
+class World:
+    def __init__(self, root: Path, model: Path) -> None:
+        import random
+
+        self.root, self.model = root, model
+        rng = random.Random(11)
+        lines = []
+        for k in range(SAMPLES):
+            n = rng.randrange(150, MAX_SEQ_LEN + 40)  # some are truncated
+            lines.append(json.dumps({"id": f"conv-{k:04d}", "input_ids": [rng.randrange(4, 512) for _ in range(n)]}))
+        self.data = root / "data.jsonl"
+        self.data.write_text("\n".join(lines) + "\n")
+        self.ref = root / "reference"
+        proc = run_driver(model, self.data, self.ref)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def world(engines, tmp_path_factory) -> World:
+    root = tmp_path_factory.mktemp("scale-out")
+    return World(root, engines.checkpoint("llama"))
+
+
+def test_two_engines_side_by_side_make_the_same_data_set_as_one(world):
+    out = world.root / "dp2"
+    proc = run_driver(world.model, world.data, out, "--data-parallel-size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stderr
+    assert "2 engine(s) of 1 GPU(s) each on this host: shards 0..1 of 2" in log
+    for k in range(2):
+        assert f"[engine {k} (shard {k} of 2)]" in log
+        assert f"engine {k} (shard {k} of 2): exit 0" in log
+    assert f"complete: 2 manifest part(s) merged, all {SAMPLES} input samples present once" in log
+    assert not list(out.glob("manifest.shard-*")) and not (out / "manifest.header.json").exists()
+    v = verify(out)
+    assert v.returncode == 0, v.stdout + v.stderr
+    identical = same_as_reference(out, world.ref)
+    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+    if identical == SAMPLES:  # a deterministic engine: the whole data set is byte-identical
+        assert (out / "manifest.jsonl").read_bytes() == (world.ref / "manifest.jsonl").read_bytes()
+
+
+def test_a_killed_shard_resumes_and_a_reshard_from_two_to_three_recomputes_nothing(world):
+    out = world.root / "reshard"
+    part0 = out / "manifest.shard-00000-of-00002.jsonl"
+    # shard 0 of 2, killed (SIGKILL, its whole process group: driver and engine) after 3 samples
+    with open(world.root / "killed.log", "w") as log:
+        proc = subprocess.Popen(driver_args(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0"),
+                                stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            if part0.exists() and len(part0.read_text().splitlines()) >= 4:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        proc.wait(60)
+    assert proc.returncode == -signal.SIGKILL, (world.root / "killed.log").read_text()[-3000:]
+    from speccompat.dataset.shards import shard_of
+
+    ids = [f"conv-{k:04d}" for k in range(SAMPLES)]
+    shard0 = {i for i in ids if shard_of(i, 2) == 0}
+    first = part_ids(out)
+    assert 2 <= len(first) < len(shard0), first  # the last entry's file may not have been renamed yet
+    before = stamps(out)
+
+    # the same shard again: it resumes, skipping what it finished
+    proc = run_driver(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"shard 0 of 2: {len(shard0)} of the input's {SAMPLES} samples; {len(first)} already done" in proc.stderr
+    assert f"summary: {len(shard0) - len(first)} written, {len(first)} already done" in proc.stderr
+    assert part_ids(out) == shard0
+    after = stamps(out)
+    assert all(after[name] == st for name, st in before.items())
+    before = after
+
+    # re-shard: the rest by 3 engines (shards of 3); shard 0 of 2's samples are skipped, checked
+    proc = run_driver(world.model, world.data, out, "--data-parallel-size", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = done = 0
+    import re
+
+    for k in range(3):
+        mine = {i for i in ids if shard_of(i, 3) == k}
+        m = re.search(rf"shard {k} of 3: (\d+) of the input's {SAMPLES} samples; (\d+) already done", proc.stderr)
+        assert m is not None and int(m.group(1)) == len(mine)
+        assert int(m.group(2)) == len(mine & shard0)
+        done += int(m.group(2))
+        w = re.search(rf"\[engine {k} \(shard {k} of 3\)\] .*summary: (\d+) written", proc.stderr)
+        written += int(w.group(1)) if w else 0  # an engine with nothing to do writes no summary
+    assert done == len(shard0) and written == SAMPLES - len(shard0)
+    after = stamps(out)
+    assert all(after[name] == st for name, st in before.items())  # nothing finished was rewritten
+    # the 2-split's part 0 and the three parts of the 3-split
+    assert f"complete: 4 manifest part(s) merged, all {SAMPLES} input samples present once" in proc.stderr
+    v = verify(out)
+    assert v.returncode == 0, v.stdout + v.stderr
+    identical = same_as_reference(out, world.ref)
+    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+
+
+def test_two_ray_actors_on_a_local_cluster_make_the_same_data_set(world):
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'speccompat[ray]')")
+    out = world.root / "ray"
+    proc = run_driver(world.model, world.data, out, "--data-parallel-size", "2", "--ray", "--ray-address", "local")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    log = proc.stdout + proc.stderr
+    assert "the Ray cluster has no GPUs: the 2 engine(s) run on CPU" in log
+    for k in range(2):
+        assert f"engine {k} (shard {k} of 2): exit 0" in log
+    assert f"job progress: {SAMPLES}/{SAMPLES} samples extracted by 2 engine(s) (0 running)" in log
+    assert f"complete: 2 manifest part(s) merged, all {SAMPLES} input samples present once" in log
+    v = verify(out)
+    assert v.returncode == 0, v.stdout + v.stderr
+    identical = same_as_reference(out, world.ref)
+    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+
+
+def test_an_engine_that_dies_is_reported_and_a_rerun_retries_its_samples(world):
+    import re
+
+    out = world.root / "dp-failure"
+    part1 = out / "manifest.shard-00001-of-00002.jsonl"
+    log_path = world.root / "dp-failure.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(driver_args(world.model, world.data, out, "--data-parallel-size", "2"), stdout=log,
+                                stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+        deadline = time.monotonic() + TIMEOUT
+        child = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if child is None:
+                m = re.search(r"engine 1 \(shard 1 of 2\): started \(pid (\d+)\)", log_path.read_text())
+                child = int(m.group(1)) if m else None
+            elif part1.exists() and len(part1.read_text().splitlines()) >= 3:
+                os.kill(child, signal.SIGKILL)  # engine 1's driver process dies mid-run
+                break
+            time.sleep(0.05)
+        proc.wait(TIMEOUT)
+    text = log_path.read_text()
+    assert proc.returncode == 128 + signal.SIGKILL, text[-3000:]
+    assert "engine 1 (shard 1 of 2): exit -9 (killed by SIGKILL)" in text
+    assert "engine 0 (shard 0 of 2): exit 0" in text
+    assert "1 of 2 engine(s) did not finish their shard" in text and "re-run the same command" in text
+    assert list(out.glob("manifest.shard-*")) and not (out / "manifest.jsonl").exists()  # not merged
+    finished = part_ids(out)
+    before = stamps(out)
+    assert len(finished) < SAMPLES
+
+    proc = run_driver(world.model, world.data, out, "--data-parallel-size", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[engine 0 (shard 0 of 2)]" in proc.stderr and "nothing to do" in proc.stderr
+    w = re.search(r"\[engine 1 \(shard 1 of 2\)\] .*summary: (\d+) written, (\d+) already done", proc.stderr)
+    assert w is not None and int(w.group(1)) == SAMPLES - len(finished)
+    after = stamps(out)
+    assert all(after[name] == st for name, st in before.items())
+    assert f"complete: 2 manifest part(s) merged, all {SAMPLES} input samples present once" in proc.stderr
+    v = verify(out)
+    assert v.returncode == 0, v.stdout + v.stderr
+    identical = same_as_reference(out, world.ref)
+    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")

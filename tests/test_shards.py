@@ -1,0 +1,426 @@
+"""Sharded extraction with fake generator results (no vLLM): the shard function, where a shard's
+index comes from, manifest parts and their locks, resume across a re-shard, merge and its checks,
+and the launcher of several engines (with tiny child processes in place of engines)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from dataset_fakes import jsonl, model_dir, random_records, states
+
+from speccompat.dataset import Rejected
+from speccompat.dataset.shards import (
+    HEADER_NAME,
+    ShardSpec,
+    check_inputs,
+    find_parts,
+    merge_dataset,
+    open_shard,
+    part_name,
+    resolve_shard,
+    shard_of,
+)
+
+torch = pytest.importorskip("torch", reason="the writer needs torch")
+
+from test_dataset import HOSTILE, provenance, scan  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# the shard function
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shard_of_is_a_function_of_the_id_bytes_and_adding_ids_moves_none():
+    ids = [f"s{i}" for i in range(2000)] + HOSTILE
+    for n in (2, 3, 8):
+        before = {i: shard_of(i, n) for i in ids}
+        # an independent computation: SHA-256 of the exact UTF-8 bytes, first 8 bytes big-endian, mod N
+        for i in ids:
+            raw = i.encode("utf-8", "surrogatepass")
+            assert before[i] == int(hashlib.sha256(raw).hexdigest()[:16], 16) % n
+        # the split of a list depends on nothing but each id: more ids, in another order, move none
+        grown = list(reversed(ids)) + [f"new-{i}" for i in range(3000)]
+        split = {i: k for k in range(n) for i in grown if shard_of(i, n) == k}
+        assert all(split[i] == before[i] for i in ids)
+    assert shard_of("e\u0301", 7) == shard_of("e\u0301", 7)
+    assert len({shard_of(x, 1) for x in ids}) == 1
+
+
+def test_shards_are_roughly_even():
+    for n in (2, 3, 8, 64):
+        counts = Counter(shard_of(f"conv-{i:06d}", n) for i in range(20000))
+        assert sorted(counts) == list(range(n))
+        mean = 20000 / n
+        # binomial spread: 5 standard deviations
+        sd = (20000 * (1 / n) * (1 - 1 / n)) ** 0.5
+        assert all(abs(c - mean) < 5 * sd for c in counts.values()), counts
+
+
+# ---------------------------------------------------------------------------------------------
+# where the shard comes from
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shard_defaults_from_slurm_arrays_rank_world_size_and_flags():
+    assert resolve_shard(None, None, {}) == ShardSpec(1, 0, "default: one shard")
+    # an array 1-4 (SLURM_ARRAY_TASK_MIN 1): task 1 is shard 0, task 4 shard 3
+    env = {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "1",
+           "RANK": "0", "WORLD_SIZE": "2"}
+    s = resolve_shard(None, None, env)
+    assert (s.num_shards, s.index) == (4, 3) and "SLURM_ARRAY_TASK_MIN" in s.source
+    assert resolve_shard(None, None, {**env, "SLURM_ARRAY_TASK_ID": "1"}).index == 0
+    # 0-14:2 (step 2, 8 tasks): task 6 is the fourth
+    s = resolve_shard(None, None, {"SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_COUNT": "8",
+                                   "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2"})
+    assert (s.num_shards, s.index) == (8, 3)
+    s = resolve_shard(None, None, {"RANK": "1", "WORLD_SIZE": "2"})
+    assert (s.num_shards, s.index, s.source) == (2, 1, "RANK/WORLD_SIZE")
+    s = resolve_shard(5, 2, env)  # flags win over the environment
+    assert (s.num_shards, s.index, s.source) == (5, 2, "--num-shards and --shard-index")
+    s = resolve_shard(None, 1, {"RANK": "0", "WORLD_SIZE": "3"})
+    assert (s.num_shards, s.index) == (3, 1) and "--shard-index" in s.source
+    for bad, phrase in [
+        ((None, None, {"SLURM_ARRAY_TASK_ID": "3"}), "SLURM_ARRAY_TASK_COUNT is not"),
+        ((None, None, {"SLURM_ARRAY_TASK_ID": "9", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "1"}),
+         "cannot derive a shard index"),
+        ((None, None, {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_STEP": "2"}),
+         "evenly spaced"),
+        ((None, None, {"RANK": "1"}), "only one of RANK and WORLD_SIZE"),
+        ((None, None, {"RANK": "x", "WORLD_SIZE": "2"}), "RANK='x' is not an integer"),
+        ((4, None, {}), "without --shard-index"),
+        ((4, None, {"RANK": "1", "WORLD_SIZE": "2"}), "without --shard-index"),  # env of another size
+        ((2, 2, {}), "outside 0..1"),
+        ((None, 3, {"RANK": "0", "WORLD_SIZE": "3"}), "outside 0..2"),
+    ]:
+        with pytest.raises(Rejected, match=phrase):
+            resolve_shard(*bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# parts, resume across shards, merge
+# ---------------------------------------------------------------------------------------------
+
+
+def run_shard(out: Path, samples, prov, k: int, n: int, *, batches: int | None = None, batch: int = 2, seed: int = 0):
+    """One shard as the driver runs it, with fake results; ``batches``: stop after that many."""
+    ds = open_shard(out, samples, prov, ShardSpec(n, k, "test"))
+    writer = ds.writer(threads=2)
+    todo = ds.todo[: None if batches is None else batches * batch]
+    try:
+        for first in range(0, len(todo), batch):
+            writer.submit([ds.job(s, states(s, seed)) for s in todo[first:first + batch]])
+    finally:
+        writer.close(raise_error=False)
+        for h in ds.lock:
+            h.close()
+    assert writer.error is None
+    return ds
+
+
+def run_single(out: Path, samples, prov):
+    from speccompat.dataset import open_dataset
+
+    ds = open_dataset(out, samples, prov)
+    with ds.writer(threads=2) as w:
+        for first in range(0, len(ds.todo), 2):
+            w.submit([ds.job(s, states(s)) for s in ds.todo[first:first + 2]])
+    ds.lock.close()
+    return ds
+
+
+def files_of(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.suffix == ".safetensors"}
+
+
+@pytest.fixture
+def world(tmp_path):
+    model = model_dir(tmp_path)
+    records = random_records(30) + [{"id": i, "input_ids": [5, 6, 7, k + 4]} for k, i in enumerate(HOSTILE[:8])]
+    data = jsonl(tmp_path / "data.jsonl", records)
+    return tmp_path, model, data, scan(data)
+
+
+def test_two_shards_write_parts_and_their_merge_equals_one_run(world):
+    from speccompat.dataset import open_dataset, verify_dataset
+    from speccompat.dataset.verify import main as verify_main
+
+    root, model, data, samples = world
+    prov = provenance(model)
+    single = root / "single"
+    run_single(single, samples, prov)
+    out = root / "sharded"
+    written = [run_shard(out, samples, prov, k, 2) for k in range(2)]
+    assert sorted(len(d.todo) for d in written) != [0, len(samples)]  # both shards had work
+    assert sum(len(d.todo) for d in written) == len(samples)
+    assert {s.id for d in written for s in d.todo} == {s.id for s in samples}
+    assert [p.name for p in find_parts(out)] == [part_name(0, 2), part_name(1, 2)]
+    assert not (out / "manifest.jsonl").exists() and (out / HEADER_NAME).exists()
+    for k in range(2):  # each part holds exactly its own shard's samples
+        lines = (out / part_name(k, 2)).read_text().splitlines()
+        assert {json.loads(x)["id"] for x in lines[1:]} == {s.id for s in written[k].todo}
+    # an unsharded run and verify point at merge
+    with pytest.raises(Rejected, match="speccompat merge"):
+        open_dataset(out, samples, prov)
+
+    class A:
+        dir, threads = out, 2
+
+    assert verify_main(A) == 2
+
+    res = merge_dataset(out)
+    assert res.problems == [] and res.entries == len(samples) and len(res.parts) == 2
+    assert find_parts(out) == [] and not (out / HEADER_NAME).exists()
+    assert not [p for p in out.iterdir() if p.name.startswith(".speccompat-shard-")]
+    # the same bytes as one run: every sample file and the manifest (entries in input order)
+    assert files_of(out) == files_of(single)
+    assert (out / "manifest.jsonl").read_bytes() == (single / "manifest.jsonl").read_bytes()
+    problems, n = verify_dataset(out)
+    assert problems == [] and n == len(samples)
+    assert check_inputs(out, data) == ([], len(samples))
+
+
+def test_merge_finds_missing_duplicate_and_mismatched_parts(world):
+    root, model, data, samples = world
+    prov = provenance(model)
+    out = root / "out"
+    run_shard(out, samples, prov, 0, 3)
+    run_shard(out, samples, prov, 1, 3)
+    mine2 = [s for s in samples if shard_of(s.id, 3) == 2]
+    # a part whose provenance differs: nothing is merged, nothing removed
+    part1 = out / part_name(1, 3)
+    saved = part1.read_bytes()
+    lines = part1.read_text().splitlines()
+    head = json.loads(lines[0])
+    head["provenance"]["hidden_states"]["dtype"] = "float16"
+    head["provenance_sha256"] = "0" * 64
+    part1.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+    res = merge_dataset(out)
+    assert len(res.problems) == 1 and part_name(1, 3) in res.problems[0]
+    assert "hidden_states.dtype" in res.problems[0] and "float16" in res.problems[0]
+    assert not (out / "manifest.jsonl").exists() and len(find_parts(out)) == 2
+    part1.write_bytes(saved)
+    # a duplicate: one sample of shard 0 listed again in shard 1's part under another file
+    e0 = json.loads((out / part_name(0, 3)).read_text().splitlines()[1])
+    dup = {**e0, "file": "copy-" + e0["file"]}
+    (out / dup["file"]).write_bytes((out / e0["file"]).read_bytes())
+    with open(part1, "a") as f:
+        f.write(json.dumps(dup) + "\n")
+    res = merge_dataset(out)
+    assert res.problems == []
+    problems, _n = check_inputs(out, data)
+    missing = [p for p in problems if "missing from the data set" in p]
+    assert sorted(missing) == sorted(f"id {s.id!r} (line {s.line} of {data}): missing from the data set" for s in mine2)
+    twice = [p for p in problems if "present 2 times" in p]
+    assert len(twice) == 1 and repr(e0["id"]) in twice[0]
+    assert len(problems) == len(mine2) + 1
+    from speccompat.dataset import verify_dataset
+
+    vp, _ = verify_dataset(out)
+    assert f"manifest.jsonl: id {e0['id']!r} has 2 entries" in vp
+    # a sample not in the input
+    extra = jsonl(root / "fewer.jsonl", [json.loads(x) for x in data.read_text().splitlines()[1:]])
+    problems, _n = check_inputs(out, extra)
+    first = samples[0]
+    if shard_of(first.id, 3) != 2:
+        assert any(f"id {first.id!r}" in p and "not in" in p for p in problems)
+
+
+def test_resharding_two_to_three_skips_every_finished_sample_and_redoes_a_corrupt_one(world):
+    root, model, data, samples = world
+    prov = provenance(model)
+    single = root / "single"
+    run_single(single, samples, prov)
+    out = root / "out"
+    run_shard(out, samples, prov, 0, 2)
+    run_shard(out, samples, prov, 1, 2, batches=2)  # killed after two batches
+    finished = {json.loads(x)["id"] for p in find_parts(out) for x in p.read_text().splitlines()[1:]}
+    n1 = len([s for s in samples if shard_of(s.id, 2) == 1])
+    assert len(finished) == len(samples) - n1 + 4
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir() if p.suffix == ".safetensors"}
+    # one finished file is corrupted in place (same size): the new split must notice and redo it
+    victim = next(s for s in samples if s.id in finished and isinstance(s.id, str) and s.id.startswith("s0"))
+    from speccompat.dataset.names import name_for_id
+
+    vpath = out / name_for_id(victim.id, ".safetensors")
+    raw = bytearray(vpath.read_bytes())
+    raw[-3] ^= 0xFF
+    vpath.write_bytes(bytes(raw))
+    redo = [run_shard(out, samples, prov, k, 3) for k in range(3)]
+    todo = [s.id for d in redo for s in d.todo]
+    assert sorted(todo) == sorted({s.id for s in samples} - finished | {victim.id})
+    assert len(todo) == len(set(todo))
+    after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir() if p.suffix == ".safetensors"}
+    for name, st in before.items():
+        assert (after[name] == st) == (name != vpath.name), name  # nothing else rewritten
+    assert len(find_parts(out)) == 5
+    res = merge_dataset(out)  # the old part's entry of the victim is stale: the file decides
+    assert res.problems == [] and res.entries == len(samples)
+    assert files_of(out) == files_of(single)
+    assert (out / "manifest.jsonl").read_bytes() == (single / "manifest.jsonl").read_bytes()
+    assert check_inputs(out, data) == ([], len(samples))
+    # and a sharded run on the merged data set has nothing to do
+    assert [len(run_shard(out, samples, prov, k, 4).todo) for k in range(4)] == [0, 0, 0, 0]
+
+
+def test_locks_header_and_leftovers_of_concurrent_shards(world):
+    from speccompat.dataset import open_dataset
+
+    root, model, _data, samples = world
+    out = root / "out"
+    prov = provenance(model, extra={"created": "2026-01-01T00:00:00Z"})
+    a = open_shard(out, samples, prov, ShardSpec(2, 0, "t"))
+    with pytest.raises(Rejected, match="shard 0 of 2 is already running"):
+        open_shard(out, samples, prov, ShardSpec(2, 0, "t"))
+    with pytest.raises(Rejected, match="another extraction is writing"):
+        open_dataset(out, samples, prov)
+    with pytest.raises(Rejected, match="merge when every shard has ended"):
+        merge_dataset(out)
+    with pytest.raises(Rejected, match="--overwrite cannot be combined with shards"):
+        open_shard(out, samples, prov, ShardSpec(2, 1, "t"), overwrite=True)
+    # a later shard (another time of day) takes the first shard's header: one `created`, one checksum
+    b = open_shard(out, samples, provenance(model, extra={"created": "2026-06-06T00:00:00Z"}), ShardSpec(2, 1, "t"))
+    assert b.provenance["created"] == a.provenance["created"] == "2026-01-01T00:00:00Z"
+    assert b.manifest.header["checksum"] == a.manifest.header["checksum"]
+    # a shard made differently is refused before anything, naming the difference
+    with pytest.raises(Rejected, match=r"hidden_states.dtype: \"bfloat16\" -> \"float16\""):
+        open_shard(out, samples, provenance(model, dtype="float16"), ShardSpec(3, 2, "t"))
+    for h in (*a.lock, *b.lock):
+        h.close()
+    # each shard removes only its own interrupted files: another shard may be writing its own
+    s0 = next(s for s in samples if shard_of(s.id, 2) == 0)
+    s1 = next(s for s in samples if shard_of(s.id, 2) == 1)
+    from speccompat.dataset.names import name_for_id
+
+    mine = out / f"{name_for_id(s0.id, '.safetensors')}.123.partial"
+    theirs = out / f"{name_for_id(s1.id, '.safetensors')}.456.partial"
+    mine.write_bytes(b"x")
+    theirs.write_bytes(b"y")
+    c = open_shard(out, samples, prov, ShardSpec(2, 0, "t"))
+    assert not mine.exists() and theirs.exists()
+    for h in c.lock:
+        h.close()
+
+
+def test_a_changed_input_is_refused_by_every_shard(world):
+    root, model, data, samples = world
+    prov = provenance(model)
+    out = root / "out"
+    run_shard(out, samples, prov, 0, 2)
+    records = [json.loads(x) for x in data.read_text().splitlines()]
+    victim = next(r for r in records if shard_of(str(r["id"]), 2) == 0)
+    victim["input_ids"], victim["loss_mask"] = [9, 9, 9], [1, 1, 1]
+    changed = scan(jsonl(root / "changed.jsonl", records))
+    with pytest.raises(Rejected, match=f"id {victim['id']!r}.*differ"):  # shard 1 refuses too: one data set
+        open_shard(out, changed, prov, ShardSpec(2, 1, "t"))
+
+
+def test_speculators_layout_shards_keep_global_file_indices(world):
+    root, model, data, samples = world
+    prov = provenance(model, layout="speculators")
+    out = root / "out"
+    ds = [run_shard(out, samples, prov, k, 2) for k in range(2)]
+    names = [d.files[s.id] for d in ds for s in d.todo]
+    assert len(set(names)) == len(samples)
+    index = {s.id: k for k, s in enumerate(samples)}
+    assert all(d.files[s.id] == f"data_{index[s.id]}.pt" for d in ds for s in d.todo)
+    res = merge_dataset(out)
+    assert res.problems == [] and res.entries == len(samples)
+    assert check_inputs(out, data) == ([], len(samples))
+
+
+# ---------------------------------------------------------------------------------------------
+# several engines: the launcher (children here are tiny Python programs)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_device_and_core_partitions():
+    from speccompat.parallel import partition_cpus, partition_devices, worst
+
+    assert partition_devices(2, 4, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) == ["0,1,2,3", "4,5,6,7"]
+    assert partition_devices(3, 1, {"CUDA_VISIBLE_DEVICES": "5,6,7"}) == ["5", "6", "7"]
+    with pytest.raises(ValueError, match="need 8 GPUs; this host has CUDA_VISIBLE_DEVICES=0,1,2"):
+        partition_devices(2, 4, {"CUDA_VISIBLE_DEVICES": "0,1,2"})
+    cores = sorted(os.sched_getaffinity(0))
+    got = partition_cpus(len(cores), 1)
+    assert got == [str(c) for c in cores]
+    assert partition_cpus(len(cores) + 1, 1) is None
+    assert worst([0, 0]) == 0 and worst([0, 1, 2]) == 2 and worst([1, -9]) == 137
+
+
+def test_run_local_reports_every_child_and_the_worst_status(capfd):
+    from speccompat.parallel import EngineRun, run_local
+
+    prog = ("import os, sys, time; print('x: 3 to extract', flush=True); time.sleep(0.2); "
+            "print('progress: 3/3 samples', os.environ['TAG'], flush=True); sys.exit(int(os.environ['CODE']))")
+    runs = [EngineRun(f"engine {k}", [sys.executable, "-c", prog], {"TAG": f"t{k}", "CODE": str(c)})
+            for k, c in enumerate([0, 1, 0])]
+    codes = run_local(runs)
+    assert codes == [0, 1, 0]
+    err = capfd.readouterr().err
+    for k in range(3):
+        assert f"[engine {k}] progress: 3/3 samples t{k}" in err
+    assert [(r.done, r.todo) for r in runs] == [(3, 3)] * 3
+
+
+def test_launcher_gives_each_engine_its_shard_and_gpus(monkeypatch, tmp_path):
+    import argparse
+
+    from speccompat import parallel
+
+    seen = []
+    monkeypatch.setattr(parallel, "run_local", lambda runs: seen.extend(runs) or [0] * len(runs))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    for k in ("SLURM_ARRAY_TASK_ID", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    args = argparse.Namespace(num_shards=3, shard_index=1, data_parallel_size=4, tp_size=2, ray=False,
+                              output_dir=tmp_path / "o", prepared_data=tmp_path / "d.jsonl", limit=None)
+    argv = ["--model-path", "m", "--tp-size", "2", "--data-parallel-size", "4", "--num-shards", "3",
+            "--shard-index", "1"]
+    assert parallel.launch_engines(args, argv, Path("/x/drv.py")) == 0
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in seen] == ["0,1", "2,3", "4,5", "6,7"]
+    for d, r in enumerate(seen):
+        a = r.argv
+        assert a[:2] == [sys.executable, "/x/drv.py"]
+        # argparse keeps the last value: the engine's shard of the 12
+        assert a[-6:] == ["--num-shards", "12", "--shard-index", str(4 + d), "--data-parallel-size", "1"]
+
+
+def test_speccompat_merge_command_exit_statuses(world, capsys):
+    from speccompat.cli import main
+
+    root, model, data, samples = world
+    prov = provenance(model)
+    out = root / "out"
+    run_shard(out, samples, prov, 0, 2)
+    held = open_shard(out, samples, prov, ShardSpec(2, 1, "t"))  # shard 1 still running
+    assert main(["merge", str(out)]) == 2
+    assert "merge when every shard has ended" in capsys.readouterr().err
+    for h in held.lock:
+        h.close()
+    assert main(["merge", str(out), "--inputs", str(data)]) == 1  # shard 1 never wrote anything
+    printed = capsys.readouterr()
+    n1 = sum(shard_of(s.id, 2) == 1 for s in samples)
+    assert printed.out.count("missing from the data set") == n1 and f"{n1} problem(s)" in printed.err
+    run_shard(out, samples, prov, 1, 2)
+    assert main(["merge", str(out), "--inputs", str(data)]) == 0
+    printed = capsys.readouterr()
+    assert f"{len(samples)} entries, 0 problem(s)" in printed.err and printed.out == ""
+    assert main(["merge", str(root / "nothing-here")]) == 2
+
+
+def test_ray_is_optional_and_says_what_to_install(monkeypatch):
+    from speccompat.parallel import EngineRun, run_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as when it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'speccompat\[ray\]'"):
+        run_ray([EngineRun("e", ["x"])], address="local", gpus_per_engine=1)
+    import subprocess
+
+    code = "import speccompat, speccompat.parallel, speccompat.dataset.shards, sys; print('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

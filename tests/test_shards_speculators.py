@@ -1,0 +1,63 @@
+"""``--format speculators`` written by two shards and finished by the job's merge
+(``finish_job``): the same files as one run, side files included (data_config.json,
+sample_lengths.json, the token-frequency file), with fake results (no engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import ENGINE_ENV
+
+REPO = Path(__file__).resolve().parent.parent
+
+CHILD = textwrap.dedent('''
+    import json, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    import speccompat
+    speccompat.apply()
+    from dataset_fakes import jsonl, model_dir, random_records
+    from test_dataset import provenance, run, scan
+    from test_shards import run_shard
+    from speccompat.dataset.shards import finish_job, find_parts
+    root = Path(sys.argv[1])
+    model = model_dir(root)
+    data = jsonl(root / "data.jsonl", random_records(9, seed=4))
+    samples = scan(data)
+    prov = provenance(model, layout="speculators", status={"state": "armed", "vllm": {"raw": "0.32.0"},
+                      "speculators": {"raw": sys.argv[3]}, "patches": []})
+    run(root / "single", samples, prov, batch=2, speculators_version=sys.argv[3])
+    for k in range(2):
+        run_shard(root / "sharded", samples, prov, k, 2)
+    assert len(find_parts(root / "sharded")) == 2
+    code = finish_job(root / "sharded", data, token_freq_path=root / "sharded.freq.pt")
+    files = lambda d: {p.name: p.read_bytes().hex() for p in d.iterdir() if not p.name.startswith(".")}
+    print(json.dumps({"code": code, "single": files(root / "single"), "sharded": files(root / "sharded"),
+                      "freq": [(root / "single.freq.pt").read_bytes() == (root / "sharded.freq.pt").read_bytes()]}))
+''')
+
+
+@pytest.mark.skipif(ENGINE_ENV is None, reason="needs the speculators copies of a scripts/mkenv.py environment")
+def test_sharded_speculators_layout_matches_one_run_side_files_included(tmp_path):
+    version = "0.4.0.1"
+    path = ENGINE_ENV["speculators"].get(version)
+    if path is None:
+        pytest.skip(f"speculators {version} is not in this environment")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, str(REPO)])}
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(REPO / "tests"), version],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["code"] == 0
+    single, sharded = out["single"], out["sharded"]
+    assert {"data_config.json", "sample_lengths.json", "manifest.jsonl"} <= set(single)
+    assert sorted(sharded) == sorted(single)
+    for name in single:
+        assert sharded[name] == single[name], name
+    assert out["freq"] == [True]
