@@ -93,6 +93,7 @@ def main() -> int:
                 }
                 for i in sorted(s32)
             }
+        write(doc, args.out, echo=False)  # after each model, so a run cut short keeps what it measured
     write(doc, args.out)
     return 0
 

@@ -41,7 +41,8 @@ plat() {  # pip platform flags for CPython 3.12 on x86_64, manylinux tags from $
   echo "${out[@]}"
 }
 meta() { unzip -p "$1" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' || true; }
-pin() { meta "$1" | sed -n "s/^$2 *==\([^ ;,]*\).*/\1/p" | head -1; }  # exact pin of $2 in wheel $1
+pin() { meta "$1" | sed -n "s/^$2 *(\?==\([^ ;,)]*\).*/\1/p" | head -1; }  # exact pin of $2 in wheel $1 ("x==1" or "x (==1)")
+spec() { meta "$1" | sed -n "s/^$2 *(\?\([<>=!~][^;)]*\).*/\1/p" | head -1 | tr -d ' '; }  # "==3.7.1", "~=3.8.0"
 
 vllm_whl=$(head -1 "$DEST/MANIFEST" | cut -d' ' -f3)
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
@@ -52,10 +53,12 @@ big=()  # wheels to stage in parts
 if [[ -n $torch_pin && $torch_pin != "$IMAGE_TORCH" ]]; then
   pip download -q --no-deps -d "$work/b" $(plat manylinux_2_28) "torch==$torch_pin"
   tw=$(ls "$work"/b/torch-*.whl)
-  triton=$(pin "$tw" triton); nccl=$(pin "$tw" nvidia-nccl-cu13); cudnn=$(pin "$tw" nvidia-cudnn-cu13)
-  [[ -n $triton ]] && pip download -q --no-deps -d "$work/b" $(plat manylinux_2_28) "triton==$triton"
+  # torch 2.13 pins triton==3.7.1, torch 2.14 triton~=3.8.0: take the requirement as written
+  triton=$(spec "$tw" triton); nccl=$(spec "$tw" nvidia-nccl-cu13); cudnn=$(pin "$tw" nvidia-cudnn-cu13)
+  [[ -n $triton ]] || { echo "torch $torch_pin: no triton requirement found in its metadata"; exit 3; }
+  pip download -q --no-deps -d "$work/b" $(plat manylinux_2_28) "triton$triton"
   # NCCL's wheel is tagged manylinux_2_18: ask pip for that platform explicitly.
-  [[ -n $nccl ]] && pip download -q --no-deps -d "$work/b" $(plat manylinux_2_18) "nvidia-nccl-cu13==$nccl"
+  [[ -n $nccl ]] && pip download -q --no-deps -d "$work/b" $(plat manylinux_2_18) "nvidia-nccl-cu13$nccl"
   if [[ -n $cudnn && ${cudnn%.*.*} != "$IMAGE_CUDNN" && ${STAGE_CUDNN:-1} != 0 ]]; then
     pip download -q --no-deps -d "$work/b" $(plat manylinux_2_27) "nvidia-cudnn-cu13==$cudnn"
   fi

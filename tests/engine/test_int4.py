@@ -13,7 +13,7 @@ import pytest
 
 from speccompat.testing.parity import measure, violations
 
-from .conftest import ENGINE_ENV, LAYER_IDS, mixed_sequences, skip_unless_model_runs
+from .conftest import LAYER_IDS, mixed_sequences, skip_unless_model_runs
 
 pytestmark = pytest.mark.engine
 
@@ -88,6 +88,5 @@ def test_int4_parity_with_transformers(engines, references, record_cell, specula
                 tokens=sum(map(len, seqs)), layer_ids=LAYER_IDS, outcome="failed" if bad else "passed",
                 worst_rel=round(worst.got.rel, 5), worst_min_cos=round(min(c.got.min_cos for c in cases), 5),
                 max_bad_tokens=round(max(c.bad_tokens for c in cases), 4),
-                seconds=round(out["seconds"], 3), stats=out["stats"],
-                engine_env=ENGINE_ENV.get("vllm_dist"))
+                seconds=round(out["seconds"], 3), stats=out["stats"])
     assert not bad, f"{len(bad)} of {len(cases)} cases off:\n" + "\n".join(bad[:15])
