@@ -29,7 +29,7 @@ def test_tight_rule_has_no_allowance_and_loose_has_one_sequence():
 
 
 def test_int4_round_trip_is_compressed_tensors_w4a16():
-    w = (torch.randn(64, 128) * 0.1).to(torch.bfloat16)
+    w = (torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.1).to(torch.bfloat16)
     q = M.quantize_int4(w)
     assert q["weight_packed"].dtype == torch.int32 and tuple(q["weight_packed"].shape) == (64, 128 // 8)
     assert tuple(q["weight_scale"].shape) == (64, 128 // 32) and q["weight_scale"].dtype == torch.bfloat16
@@ -39,8 +39,9 @@ def test_int4_round_trip_is_compressed_tensors_w4a16():
     scale = q["weight_scale"].float().repeat_interleave(32, dim=1)
     steps = d / scale
     assert torch.equal(steps, steps.round()) and steps.min() >= -8 and steps.max() <= 7
-    # the scale is compressed-tensors' minmax one: max |w| of the group / 7.5, so error <= scale / 2
-    assert (d - w.float()).abs().max() <= scale.max() / 2 + 1e-6
+    # the scale is compressed-tensors' minmax one: max |w| of the group / 7.5, so each value is off by
+    # at most half its group's step (a little more where the bf16-rounded scale or the clamp at +7 bite)
+    assert ((d - w.float()).abs() <= 0.6 * scale).all()
     assert torch.allclose(q["weight_scale"].float(),
                           (w.float().reshape(64, 4, 32).abs().amax(-1) / 7.5).to(torch.bfloat16).float())
     # round trip of what is stored is exact: quantizing again gives the same integers
