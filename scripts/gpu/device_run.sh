@@ -2,6 +2,9 @@
 # Device side of the GPU evidence run (runs on the GPU machine, from a copy of the repository).
 #   device_run.sh install            install the staged vLLM, speccompat and speculators under /tmp
 #   device_run.sh test RUNNER [TP]   engine parity + silent-bug suites; RUNNER is v1 or v2 (default)
+#   device_run.sh kimi RUNNER [TP]   Kimi-K2.5 parity: kimi_k25 (bf16) and kimi_k25 with INT4 experts,
+#                                    the thresholds' planted-bug checks, and vLLM's parse of the INT4 config
+#   device_run.sh join [DIR]         join wheels staged in parts (install does it)
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
 # Results go to $OUT (evidence JSON, logs, benchmark JSON).
 set -euo pipefail
@@ -11,6 +14,18 @@ export SPECCOMPAT_ENV_FILE=/tmp/speccompat-env.json
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 case "${1:-}" in
   install)
+    # Wheels staged in parts (torch and what it needs, when vLLM pins a newer torch than the image's):
+    # join and check them; device.sh then installs them with the rest.
+    if [ -f /tmp/stage/BIG_MANIFEST ]; then
+      bash "$0" join /tmp/stage
+      # The image's torchvision/torchaudio are built for its own torch and break transformers under
+      # the staged one ("operator torchvision::nms does not exist"): move them out of its site-packages
+      # (the machine is thrown away after the run); torchvision for the staged torch is installed instead.
+      for m in torchvision torchaudio; do
+        d=$(env -u PYTHONPATH python3 -c "import importlib.util as u, os; s = u.find_spec('$m'); print(os.path.dirname(s.origin) if s else '')")
+        if [ -n "$d" ]; then mkdir -p /tmp/aside && mv "$d" /tmp/aside/ && echo "moved aside $d"; fi
+      done
+    fi
     bash .gpu-stage/device.sh install
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tail -2
     for w in .gpu-stage/spec/speculators-*.whl; do
@@ -27,19 +42,35 @@ case "${1:-}" in
     RUNNER="${2:-v2}"; TP="${3:-1}"
     if [ "$RUNNER" = v1 ]; then export VLLM_USE_V2_MODEL_RUNNER=0; else unset VLLM_USE_V2_MODEL_RUNNER; fi
     V=$(python3 -c "import json; print(json.load(open('/tmp/speccompat-env.json'))['vllm'])")
-    export SPECCOMPAT_EVIDENCE_OUT="$OUT/vllm-$V-tp$TP-$RUNNER.json" SPECCOMPAT_TEST_TP="$TP" SPECCOMPAT_TEST_RUNNER="$RUNNER"
-    BT="/tmp/pytest-$RUNNER-tp$TP"
+    N="$RUNNER-tp$TP${OUT_NAME:+-$OUT_NAME}"
+    export SPECCOMPAT_EVIDENCE_OUT="$OUT/vllm-$V-tp$TP-$RUNNER${OUT_NAME:+-$OUT_NAME}.json" SPECCOMPAT_TEST_TP="$TP" SPECCOMPAT_TEST_RUNNER="$RUNNER"
+    BT="/tmp/pytest-$N"
     set +e
     timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --basetemp="$BT" ${TEST_FILES:-tests/engine/test_parity.py \
-      tests/engine/test_silent_bugs.py} -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -60 | tee "$OUT/pytest-$RUNNER-tp$TP.txt"
+      tests/engine/test_silent_bugs.py} -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -60 | tee "$OUT/pytest-$N.txt"
     rc=${PIPESTATUS[0]}
     for f in "$BT"/engines0/logs/*.log; do
       [ -f "$f" ] && { echo "=== $f"; tail -c 20000 "$f"; }
-    done > "$OUT/logs-$RUNNER-tp$TP.txt" 2>/dev/null
+    done > "$OUT/logs-$N.txt" 2>/dev/null
     exit $rc
+    ;;
+  join)   # join the wheels staged in parts under DIR (default /tmp/stage) and check their hashes
+    D="${2:-/tmp/stage}"
+    while read -r name sha; do
+      cat "$D/$name".part* > "$D/$name" && rm -f "$D/$name".part*
+      got=$(sha256sum "$D/$name" | cut -c1-64)
+      [ "$got" = "$sha" ] || { echo "$name: hash mismatch, a unit is missing ($got != $sha)"; exit 3; }
+      echo "joined $name"
+    done < "$D/BIG_MANIFEST"
+    ;;
+  kimi)
+    RUNNER="${2:-v2}"; TP="${3:-1}"
+    TEST_FILES="tests/engine/test_parity.py tests/engine/test_int4.py" \
+      TEST_SELECT="${TEST_SELECT:-kimi_k25 or int4 or planted}" OUT_NAME=kimi \
+      exec bash "$0" test "$RUNNER" "$TP"
     ;;
   bench)
     PYTHONPATH="/tmp/site:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu${BENCH_NAME:+-$BENCH_NAME}.json" ${BENCH_ARGS:-}
     ;;
-  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | bench"; exit 2 ;;
+  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | join [DIR] | bench"; exit 2 ;;
 esac

@@ -8,20 +8,29 @@ kernels accept, not for realism:
 - DeepseekV3 (MLA + MoE, the text architecture of Kimi-K2.5) uses DeepSeek's real head dims
   (qk_nope 128, qk_rope 64, v 128, kv_lora_rank 512): GPU MLA prefill needs them and the CPU MLA
   decode kernel needs kv_lora_rank + qk_rope_head_dim == 576;
-- ``topk_method: noaux_tc`` so vLLM creates ``e_score_correction_bias``, which transformers saves.
+- ``topk_method: noaux_tc`` so vLLM creates ``e_score_correction_bias``, which transformers saves;
+- MoE routing is decided by a clear margin (:func:`_plant_routing`): random routers put some tokens'
+  top-k experts near a tie, and bf16 rounding then swaps that token's experts, which changes its
+  output completely and forces a tolerance under which real capture errors could hide;
+- ``kimi_k25`` is Kimi-K2.5's real architecture (``KimiK25ForConditionalGeneration``: a MoonViT
+  vision tower and projector around the DeepseekV3 language model), written with the tensor names of
+  the released checkpoint, which vLLM's loader expects; ``int4_experts=True`` stores its routed
+  experts as compressed-tensors W4A16 (pack-quantized, groups of 32, symmetric), as released.
 
 ``make_checkpoint(kind, path)`` is idempotent: an existing checkpoint with the same recipe is reused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECIPES", "Recipe", "make_checkpoint"]
+__all__ = ["RECIPES", "Recipe", "check_routing", "decompress_checkpoint", "dequantize_int4", "language_model",
+           "make_checkpoint", "quantize_int4", "router_scores", "routing_margins", "routing_sequences"]
 
 VOCAB_SIZE = 512
 
@@ -36,9 +45,14 @@ class Recipe:
     seed: int = 1234
     #: Scale of the attention score projections (see _SOFT). 1.0 gives sharp attention.
     attn_scale: float = 1.0
-    #: Scale of MoE router weights: decisive routing keeps bf16 noise from flipping a token's
-    #: experts (a flip changes that token's output completely and would mask real errors).
+    #: Scale of MoE router weights (random part; see routing_margin).
     router_scale: float = 1.0
+    #: Plant margin-decided MoE routing (_plant_routing) and check it when the checkpoint is built.
+    routing_margin: bool = False
+    #: Kimi-K2.5 wrapper: vision tower config (None: a plain causal LM); ``config`` is the text config.
+    vision_config: dict[str, Any] | None = None
+    #: Routed experts as compressed-tensors W4A16 (pack-quantized), as in the released Kimi-K2.5.
+    int4_experts: bool = False
 
     @property
     def num_hidden_layers(self) -> int:
@@ -107,8 +121,72 @@ RECIPES: dict[str, Recipe] = {
             "topk_method": "noaux_tc",
             "scoring_func": "sigmoid",
         },
-        router_scale=4.0,
+        router_scale=0.25,
+        routing_margin=True,
     ),
+}
+
+#: Kimi-K2.5 special tokens (the released tokenizer's names), placed after the word vocabulary so
+#: that random test prompts (ids < VOCAB_SIZE) never contain one.
+KIMI_SPECIAL = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>",
+                "<|kimi_k25_video_placeholder|>", "<|media_start|>", "<|reserved_6|>", "<|reserved_7|>")
+
+# Kimi-K2.5: the tiny DeepseekV3 as language model, plus a minimal MoonViT tower that both
+# transformers and vLLM build (one block, hidden 64, 2 heads of 32; patch 14, 2x2 merge, an 8x8
+# position grid).
+RECIPES["kimi_k25"] = Recipe(
+    kind="kimi_k25",
+    architecture="KimiK25ForConditionalGeneration",
+    config={**RECIPES["deepseek_v3"].config, "vocab_size": VOCAB_SIZE + len(KIMI_SPECIAL)},
+    router_scale=0.25,
+    routing_margin=True,
+    vision_config={
+        "patch_size": 14,
+        "pos_emb_height": 8,
+        "pos_emb_width": 8,
+        "pos_emb_time": 4,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "merge_kernel_size": [2, 2],
+    },
+)
+
+#: compressed-tensors W4A16 of the released Kimi-K2.5 (and Kimi-K2-Thinking): routed experts only.
+INT4_GROUP_SIZE = 32
+INT4_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "kv_cache_scheme": None,
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "input_activations": None,
+            "output_activations": None,
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "symmetric": True,
+                "strategy": "group",
+                "group_size": INT4_GROUP_SIZE,
+                "dynamic": False,
+                "actorder": None,
+                "block_structure": None,
+                "observer": "minmax",
+                "observer_kwargs": {},
+            },
+        }
+    },
+    "ignore": [
+        "lm_head",
+        "re:.*self_attn.*",
+        "re:.*shared_experts.*",
+        "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+        "re:.*vision_tower.*",
+        "re:.*mm_projector.*",
+    ],
 }
 
 
@@ -118,14 +196,19 @@ _SOFT = ("q_b_proj", "kv_b_proj")
 
 
 def _write_tokenizer(path: Path, recipe: Recipe) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
     for i in range(len(vocab), VOCAB_SIZE):
         vocab[f"w{i}"] = i
+    special = KIMI_SPECIAL if recipe.vision_config else ()
+    for i, name in enumerate(special):
+        vocab[name] = VOCAB_SIZE + i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if special:
+        tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in special])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
@@ -146,16 +229,47 @@ def _write_tokenizer(path: Path, recipe: Recipe) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
-def _build_model(recipe: Recipe):
-    import torch
+def _kimi_token_id(name: str) -> int:
+    return VOCAB_SIZE + KIMI_SPECIAL.index(name)
+
+
+def _transformers_config(recipe: Recipe):
     import transformers
 
     cfg_dict = {k: v for k, v in recipe.config.items() if k not in ("model_type",)}
     config_cls = transformers.AutoConfig.for_model(recipe.config["model_type"]).__class__
-    config = config_cls(**cfg_dict)
+    text = config_cls(**cfg_dict)
+    if recipe.vision_config is None:
+        text.architectures = [recipe.architecture]
+        return text, getattr(transformers, recipe.architecture)
+    if not hasattr(transformers, "Kimi_K25Config"):
+        raise RuntimeError(f"the kimi_k25 checkpoint needs transformers >= 5.19 (Kimi_K25Config); "
+                           f"this is transformers {transformers.__version__}")
+    config = transformers.Kimi_K25Config(
+        text_config=text,
+        vision_config=dict(recipe.vision_config),
+        projection_hidden_size=recipe.vision_config["hidden_size"],
+        image_token_id=_kimi_token_id("<|media_pad|>"),
+        video_token_id=_kimi_token_id("<|kimi_k25_video_placeholder|>"),
+        vision_start_token_id=_kimi_token_id("<|media_begin|>"),
+        vision_end_token_id=_kimi_token_id("<|media_end|>"),
+        tie_word_embeddings=False,
+    )
     config.architectures = [recipe.architecture]
+    return config, transformers.Kimi_K25ForConditionalGeneration
+
+
+def language_model(model: Any) -> Any:
+    """The decoder (``embed_tokens``, ``layers``, ``norm``) of a tiny checkpoint's transformers model."""
+    base = getattr(model, "model", model)
+    return getattr(base, "language_model", base)
+
+
+def _build_model(recipe: Recipe):
+    import torch
+
+    config, model_cls = _transformers_config(recipe)
     torch.manual_seed(recipe.seed)
-    model_cls = getattr(transformers, recipe.architecture)
     model = model_cls(config).to(torch.bfloat16)
     # transformers initialises some MoE parameters (router bias, expert weights) lazily or to
     # zeros; give every parameter a random value so that a wrong slice can't hide behind zeros.
@@ -174,42 +288,374 @@ def _build_model(recipe: Recipe):
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(0.01 * torch.randn(b.shape, generator=gen))
+    if _routes(recipe):
+        _plant_routing(model, recipe, gen)
     return model
+
+
+def _routes(recipe: Recipe) -> bool:
+    """Whether the recipe plants margin-decided routing: a MoE recipe whose tokens choose among
+    experts (with ``num_experts_per_tok == n_routed_experts`` every token takes them all)."""
+    cfg = recipe.config
+    return recipe.routing_margin and cfg.get("num_experts_per_tok", 0) < cfg.get("n_routed_experts", 0)
+
+
+# --- margin-decided MoE routing ---------------------------------------------------------------
+
+#: Router logit of a token's own experts (+) and the others (-) after calibration, so the sigmoid
+#: scores of chosen and other experts are about 0.98 and 0.02.
+ROUTING_LOGIT = 4.0
+#: A tiny checkpoint is refused when a token of the check sequences has a top-k margin (k-th minus
+#: (k+1)-th routing score, sigmoid + correction bias) below this. Measured (benchmarks/parity_noise.py,
+#: docs/parity.md): the smallest margin on the first 12 test sequences is 0.57-0.65 (kimi_k25,
+#: deepseek_v3), the largest change of any routing score between transformers in bf16 and fp32 0.0021.
+MIN_ROUTING_MARGIN = 0.25
+
+
+def routing_sequences(n: int = 12, seed: int = 7, lo: int = 20, hi: int = 600) -> list[list[int]]:
+    """Random prompts as the engine tests draw them (their first ``n`` sequences, same seed)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def _moe_layers(lm: Any) -> list[tuple[int, Any]]:
+    return [(i, layer.mlp) for i, layer in enumerate(lm.layers) if hasattr(layer.mlp, "gate")]
+
+
+def router_scores(model: Any, sequences: list[list[int]]) -> dict[int, Any]:
+    """Routing scores (sigmoid of the router logits + correction bias, float32) of every token of
+    ``sequences`` at every MoE layer, by layer index: what the top-k experts are chosen from."""
+    import torch
+
+    lm = language_model(model)
+    got: dict[int, list] = {}
+    handles = []
+    for i, mlp in _moe_layers(lm):
+        def hook(mod: Any, inp: Any, i: int = i) -> None:
+            h = inp[0].reshape(-1, inp[0].shape[-1]).float()
+            scores = torch.sigmoid(h @ mod.weight.float().T) + mod.e_score_correction_bias.float()
+            got.setdefault(i, []).append(scores)
+
+        handles.append(mlp.gate.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                model(input_ids=torch.tensor([seq]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: torch.cat(v) for i, v in got.items()}
+
+
+def routing_margins(scores: dict[int, Any], k: int) -> dict[int, Any]:
+    """Per token and MoE layer: k-th largest routing score minus the (k+1)-th."""
+    import torch
+
+    return {i: (lambda t: t[:, k - 1] - t[:, k])(torch.sort(s, dim=-1, descending=True).values)
+            for i, s in scores.items()}
+
+
+def _plant_routing(model: Any, recipe: Recipe, gen: Any) -> None:
+    """Make MoE routing decided by a clear margin, so bf16 rounding cannot swap a token's experts.
+
+    The last ``n_routed_experts`` hidden dimensions carry a routing code: each token's embedding
+    there is +a for the ``num_experts_per_tok`` experts drawn for that token id and -a for the
+    others (a = the embedding's own scale). No layer writes to those dimensions (their rows of
+    every attention output projection and every MLP/expert down projection are zero), so the code
+    reaches every MoE layer unchanged, and RMSNorm only scales it by a positive factor. Each router
+    reads the code through a diagonal block, scaled per layer so the chosen experts' logits are
+    about +ROUTING_LOGIT and the others' -ROUTING_LOGIT, plus its random weights (router_scale) on
+    all dimensions, so that routing weights still depend on context. Routing then varies with the
+    token (28 expert pairs for top-2 of 8) while no token sits near a tie.
+    """
+    import torch
+
+    cfg = recipe.config
+    n_exp, k, hidden = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"]
+    code = slice(hidden - n_exp, hidden)
+    lm = language_model(model)
+    with torch.no_grad():
+        emb = lm.embed_tokens.weight
+        a = emb.float().std().item()
+        signs = -torch.ones(emb.shape[0], n_exp)
+        for t in range(emb.shape[0]):
+            signs[t, torch.randperm(n_exp, generator=gen)[:k]] = 1.0
+        emb[:, code] = (a * signs).to(emb.dtype)
+        for layer in lm.layers:
+            layer.self_attn.o_proj.weight[code, :] = 0
+            mlp = layer.mlp
+            if hasattr(mlp, "experts"):
+                mlp.experts.down_proj[:, code, :] = 0  # [experts, hidden, intermediate]
+                mlp.shared_experts.down_proj.weight[code, :] = 0
+            else:
+                mlp.down_proj.weight[code, :] = 0
+    # Calibrate each router's code block on a few prompts, in one pass: no layer writes to the code
+    # dimensions, so a router's gain changes the code it sees at later layers only through the
+    # RMSNorm scale, which the margin check below covers.
+    calib = routing_sequences(3, seed=recipe.seed, lo=64, hi=256)
+    f32 = model.float()
+    seen: dict[int, list] = {}
+    handles = [mlp.gate.register_forward_pre_hook(
+        lambda _m, inp, i=i: seen.setdefault(i, []).append(inp[0][..., code].abs().mean()))
+        for i, mlp in _moe_layers(lm)]
+    try:
+        with torch.no_grad():
+            for seq in calib:
+                f32(input_ids=torch.tensor([seq]), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():
+        for i, mlp in _moe_layers(lm):
+            gain = ROUTING_LOGIT / float(torch.stack(seen[i]).mean())
+            mlp.gate.weight[:, code] += gain * torch.eye(n_exp, dtype=mlp.gate.weight.dtype)
+    model.to(torch.bfloat16)
+
+
+def check_routing(model: Any, recipe: Recipe, sequences: list[list[int]] | None = None) -> float:
+    """The smallest top-k routing margin over ``sequences`` (default: routing_sequences()) in fp32
+    (with INT4 experts: on the weights as stored, dequantized); raises ValueError when it is below
+    MIN_ROUTING_MARGIN."""
+    import copy
+
+    import torch
+
+    f32 = copy.deepcopy(model).to(torch.float32).eval()
+    if recipe.int4_experts:
+        _fake_quantize_experts(f32)
+    margins = routing_margins(router_scores(f32, sequences or routing_sequences()), recipe.config["num_experts_per_tok"])
+    worst = min(float(m.min()) for m in margins.values())
+    if worst < MIN_ROUTING_MARGIN:
+        layer = min(margins, key=lambda i: float(margins[i].min()))
+        raise ValueError(f"tiny checkpoint {recipe.kind!r}: a token's top-k routing margin at decoder layer {layer} "
+                         f"is {worst:.4f}, below {MIN_ROUTING_MARGIN} (bf16 rounding could swap its experts)")
+    return worst
+
+
+# --- Kimi-K2.5 checkpoint layout ---------------------------------------------------------------
+
+#: transformers 5.19 writes Kimi_K25 weights in the released layout except for these names (its
+#: reverse of the loading rename "blocks" -> "layers" also hits the language model, and it keeps
+#: two of its own prefixes); vLLM's loader and transformers' own loading both accept the fixed names.
+_KIMI_RENAMES = (
+    ("language_model.model.blocks.", "language_model.model.layers."),
+    ("model.mm_projector.", "mm_projector."),
+    ("vision_tower.encoder.patch_embed.", "vision_tower.patch_embed."),
+)
+
+
+def _kimi_name(name: str) -> str:
+    for old, new in _KIMI_RENAMES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _rewrite_weights(path: Path, fn: Any) -> None:
+    """Apply ``fn(dict) -> dict`` to every safetensors file of ``path`` (and its index)."""
+    from safetensors.torch import load_file, save_file
+
+    index = path / "model.safetensors.index.json"
+    for f in sorted(path.glob("*.safetensors")):
+        save_file(fn(load_file(f)), f, metadata={"format": "pt"})
+    if index.exists():
+        doc = json.loads(index.read_text())
+        doc["weight_map"] = {_kimi_name(k): v for k, v in doc["weight_map"].items()}
+        index.write_text(json.dumps(doc, indent=2))
+
+
+def _int4_scheme() -> Any:
+    from compressed_tensors.quantization import QuantizationScheme
+
+    group = INT4_QUANTIZATION_CONFIG["config_groups"]["group_0"]
+    return QuantizationScheme(targets=group["targets"], weights=group["weights"])
+
+
+def quantize_int4(weight: Any) -> dict[str, Any]:
+    """One [out, in] weight as compressed-tensors W4A16 pack-quantized tensors (compressed-tensors'
+    own observer maths and packing): ``weight_packed`` int32 [out, in/8], ``weight_scale`` [out, in/32]
+    in the weight's dtype, ``weight_shape`` int [2]."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = _int4_scheme()
+    out_f, in_f = weight.shape
+    if in_f % INT4_GROUP_SIZE:
+        raise ValueError(f"input size {in_f} is not a multiple of the INT4 group size {INT4_GROUP_SIZE}")
+    groups = weight.float().reshape(out_f, in_f // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+    scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+    scale = scale.to(weight.dtype)
+    packed = PackedQuantizationCompressor.compress(
+        {"weight": weight, "weight_scale": scale, "weight_zero_point": zero.to(torch.int8)}, scheme)
+    return {k: v for k, v in packed.items() if k in ("weight_packed", "weight_scale", "weight_shape")}
+
+
+def dequantize_int4(tensors: dict[str, Any], dtype: Any = None) -> Any:
+    """The inverse of quantize_int4 (compressed-tensors' decompression), in float32 unless ``dtype``."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    out = PackedQuantizationCompressor.decompress(
+        {"weight_packed": tensors["weight_packed"], "weight_scale": tensors["weight_scale"].float(),
+         "weight_shape": tensors["weight_shape"]}, _int4_scheme())
+    return out["weight"].to(dtype or torch.float32)
+
+
+def _fake_quantize_experts(model: Any) -> None:
+    """Replace the routed experts' weights of a float32 model by their INT4 round trip, exactly as
+    the checkpoint stores them (groups run along the input dimension, so the fused gate/up tensor
+    of an expert quantizes as its two halves do)."""
+    import torch
+
+    with torch.no_grad():
+        for _, mlp in _moe_layers(language_model(model)):
+            for p in (mlp.experts.gate_up_proj, mlp.experts.down_proj):
+                for e in range(p.shape[0]):
+                    w = p[e].to(torch.bfloat16)
+                    p[e] = dequantize_int4(quantize_int4(w))
+
+
+_EXPERT_WEIGHT = r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$"
+
+
+def _quantize_experts(tensors: dict[str, Any]) -> dict[str, Any]:
+    import re
+
+    out: dict[str, Any] = {}
+    for name, t in tensors.items():
+        if re.search(_EXPERT_WEIGHT, name):
+            stem = name[: -len("weight")]
+            out.update({stem + k: v for k, v in quantize_int4(t).items()})
+        else:
+            out[name] = t
+    return out
+
+
+def decompress_checkpoint(path: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """A dense copy of an INT4-expert checkpoint (experts dequantized exactly, in float32, by
+    compressed-tensors), without its quantization_config: what transformers loads as the reference."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, dest = Path(path), Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy2(f, dest / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in sorted(path.glob("*.safetensors")):
+        tensors = load_file(f)
+        dense = {}
+        for name, t in tensors.items():
+            if name.endswith(".weight_packed"):
+                stem = name[: -len("weight_packed")]
+                dense[stem + "weight"] = dequantize_int4(
+                    {k: tensors[stem + k] for k in ("weight_packed", "weight_scale", "weight_shape")})
+            elif not name.endswith((".weight_scale", ".weight_shape")):
+                dense[name] = t
+        save_file(dense, dest / f.name, metadata={"format": "pt"})
+    return dest
+
+
+#: What vLLM's Kimi-K2.5 image processor needs (the released preprocessor_config.json's
+#: media_proc_cfg), with patch limits small enough that the multimodal profiling pass is tiny.
+_KIMI_MEDIA_PROC_CFG = {
+    "patch_size": 14,
+    "merge_kernel_size": 2,
+    "in_patch_limit": 64,
+    "patch_limit_on_one_side": 8,
+    "in_patch_limit_each_frame": 64,
+    "in_patch_limit_video": None,
+    "fixed_output_tokens": None,
+    "temporal_merge_kernel_size": 4,
+    "sample_fps": 2.0,
+    "max_num_frames_each_video": None,
+    "timestamp_mode": "hh:mm:ss.fff",
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
+#: Every tensor of the released Kimi-K2.5 checkpoint starts with one of these.
+KIMI_PREFIXES = ("language_model.model.layers.", "language_model.model.embed_tokens.", "language_model.model.norm.",
+                 "language_model.lm_head.", "vision_tower.patch_embed.", "vision_tower.encoder.blocks.",
+                 "vision_tower.encoder.final_layernorm.", "mm_projector.pre_norm.", "mm_projector.proj.")
+
+
+def _kimi_layout(tensors: dict[str, Any]) -> dict[str, Any]:
+    out = {_kimi_name(k): v for k, v in tensors.items()}
+    odd = sorted(k for k in out if not k.startswith(KIMI_PREFIXES))
+    if odd:
+        import transformers
+
+        raise RuntimeError(f"transformers {transformers.__version__} saved Kimi_K25 tensors outside the released "
+                           f"checkpoint layout, which vLLM's loader would reject: {odd[:6]}")
+    return out
+
+
+def _finish_kimi(path: Path, recipe: Recipe) -> None:
+    fn = _quantize_experts if recipe.int4_experts else (lambda t: t)
+    _rewrite_weights(path, lambda tensors: fn(_kimi_layout(tensors)))
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    text = cfg["text_config"]
+    text["architectures"] = ["DeepseekV3ForCausalLM"]
+    if recipe.int4_experts:
+        cfg["quantization_config"] = INT4_QUANTIZATION_CONFIG
+    (path / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": _KIMI_MEDIA_PROC_CFG}, indent=2))
+    cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
 def _recipe_stamp(recipe: Recipe) -> str:
     return json.dumps(asdict(recipe), sort_keys=True)
 
 
-def make_checkpoint(kind: str, path: str | os.PathLike, **overrides: Any) -> Path:
+def make_checkpoint(kind: str, path: str | os.PathLike, *, int4_experts: bool = False, **overrides: Any) -> Path:
     """Write the tiny checkpoint ``kind`` to ``path`` (reused if already there) and return it.
 
-    ``overrides`` replace config keys (e.g. ``num_hidden_layers=4``).
+    ``overrides`` replace config keys (e.g. ``num_hidden_layers=4``; for ``kimi_k25`` keys of its
+    text config). ``int4_experts`` (``kimi_k25`` only): routed experts as compressed-tensors W4A16.
     """
     if kind not in RECIPES:
         raise ValueError(f"unknown tiny checkpoint {kind!r}; choose from {sorted(RECIPES)}")
     base = RECIPES[kind]
-    recipe = Recipe(
-        base.kind, base.architecture, {**base.config, **overrides}, base.seed, base.attn_scale, base.router_scale
-    )
+    if int4_experts and base.vision_config is None:
+        raise ValueError(f"int4_experts is for the kimi_k25 checkpoint, not {kind!r}")
+    recipe = dataclasses.replace(base, config={**base.config, **overrides}, int4_experts=int4_experts)
     path = Path(path)
     stamp_file = path / ".speccompat-recipe.json"
     stamp = _recipe_stamp(recipe)
     if stamp_file.exists() and stamp_file.read_text() == stamp:
         return path
     path.mkdir(parents=True, exist_ok=True)
+    stamp_file.unlink(missing_ok=True)
     model = _build_model(recipe)
+    if _routes(recipe):
+        check_routing(model, recipe)
     model.save_pretrained(path, safe_serialization=True)
     # transformers drops keys it does not know; vLLM needs some of them (see module doc).
     cfg_path = path / "config.json"
     cfg = json.loads(cfg_path.read_text())
+    text = cfg.get("text_config", cfg)
     for key in ("topk_method", "scoring_func"):
         if key in recipe.config:
-            cfg[key] = recipe.config[key]
-    cfg["torch_dtype"] = "bfloat16"
-    # transformers 5 writes rope_parameters; transformers 4 (older vLLM releases) reads rope_theta.
-    cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+            text[key] = recipe.config[key]
+    for c in {id(cfg): cfg, id(text): text}.values():
+        c["torch_dtype"] = "bfloat16"
+        # transformers 5 writes rope_parameters; transformers 4 (older vLLM releases) reads rope_theta.
+        c.setdefault("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    cfg["architectures"] = [recipe.architecture]
+    if recipe.vision_config is not None:
+        cfg.pop("rope_theta", None)
     cfg_path.write_text(json.dumps(cfg, indent=2))
+    if recipe.vision_config is not None:
+        _finish_kimi(path, recipe)
     _write_tokenizer(path, recipe)
     stamp_file.write_text(stamp)
     return path

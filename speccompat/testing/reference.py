@@ -3,11 +3,17 @@
 For decoder layer ``i`` the reference is that layer's output (the residual stream after it, before
 the final norm), taken with a forward hook - the same definition speculators uses, including the
 last layer, whose ``output_hidden_states`` entry would have the final norm applied.
+
+Kimi-K2.5 (``kimi_k25``) is transformers' own ``Kimi_K25ForConditionalGeneration``: the layers are
+its language model's decoder layers, and text-only prompts go through its full forward (embedding,
+no vision input). A checkpoint whose experts are compressed-tensors INT4 is first decompressed by
+compressed-tensors (exactly, in float32) into a dense copy, which transformers then loads.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,17 +29,28 @@ class ReferenceModel:
 
         self.torch = torch
         self.dtype = getattr(torch, dtype)
-        cfg = transformers.AutoConfig.from_pretrained(path)
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
-        self.num_layers = cfg.num_hidden_layers
-        self.layers = self._find_layers(self.model)
-        with open(f"{path}/config.json", encoding="utf-8") as f:
-            self.llama_4_scaling = json.load(f).get("llama_4_scaling")
+        from .models import decompress_checkpoint, language_model
 
-    @staticmethod
-    def _find_layers(model: Any) -> Any:
-        base = getattr(model, "model", model)
-        return base.layers
+        with open(f"{path}/config.json", encoding="utf-8") as f:
+            raw = json.load(f)
+        if "quantization_config" in raw:
+            self._dense = tempfile.TemporaryDirectory(prefix="speccompat-dense-")
+            path = str(decompress_checkpoint(path, self._dense.name))
+        cfg = transformers.AutoConfig.from_pretrained(path)
+        if cfg.model_type == "kimi_k25":
+            model, info = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(
+                path, dtype=self.dtype, output_loading_info=True)
+            missing = sorted(info.get("missing_keys") or []) + sorted(info.get("unexpected_keys") or [])
+            if missing:
+                raise ValueError(f"{path}: transformers did not load these weights of the checkpoint: {missing[:8]}")
+            self.model = model.eval()
+            text = raw["text_config"]
+        else:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
+            text = raw
+        self.num_layers = cfg.get_text_config().num_hidden_layers
+        self.layers = language_model(self.model).layers
+        self.llama_4_scaling = text.get("llama_4_scaling")
 
     def hidden_states(self, token_ids: Sequence[int], layer_ids: Sequence[int]) -> list[Any]:
         """One float32 tensor [len(token_ids), hidden] per requested layer."""

@@ -20,7 +20,8 @@ from speccompat.matrix import known_speculators
 
 #: The speculators versions the matrix speaks about (the one list, from the static evidence).
 SPECULATORS = tuple(known_speculators())
-KINDS = ("llama", "deepseek_v3")
+#: kimi_k25: Kimi-K2.5's own architecture (vision tower + DeepseekV3), text-only prompts.
+KINDS = ("llama", "deepseek_v3", "kimi_k25")
 #: EAGLE-3 style: an early, two middle and the last decoder layer (6-layer tiny models).
 LAYER_IDS = [0, 2, 4, 5]
 MAX_ALIVE = 2
@@ -49,8 +50,18 @@ def mla_runs_here() -> bool:
 
 
 def skip_unless_model_runs(kind: str) -> None:
-    if kind == "deepseek_v3" and not mla_runs_here():
+    if kind in ("deepseek_v3", "kimi_k25") and not mla_runs_here():
         pytest.skip(MLA_CPU_REASON)
+    if kind == "kimi_k25":
+        import importlib.util
+
+        import transformers
+
+        if not hasattr(transformers, "Kimi_K25Config"):
+            pytest.skip(f"Kimi-K2.5's architecture needs transformers >= 5.13 (Kimi_K25Config); this engine "
+                        f"environment has transformers {transformers.__version__}")
+        if importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is None:
+            pytest.skip(f"vLLM {ENGINE_ENV['vllm']} has no KimiK25ForConditionalGeneration")
 
 
 def mixed_sequences(n: int, seed: int, lo: int = 20, hi: int = 600, vocab: int = 512) -> list[list[int]]:

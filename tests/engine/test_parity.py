@@ -1,12 +1,13 @@
 """The proof of a cell: speculators' own generator, under speccompat, on a real vLLM engine,
 against transformers on the same tiny checkpoint (45 mixed-length sequences, 4 layers including
-the last). Thresholds are relative to the measured bf16 noise of each case: docs/parity.md."""
+the last). Thresholds are relative to the measured bf16 noise of each case: docs/parity.md. Every
+model, MoE included, is held to the tight rule (the tiny MoE checkpoints route by a clear margin)."""
 
 from __future__ import annotations
 
 import pytest
 
-from speccompat.testing.parity import measure, violations
+from speccompat.testing.parity import LOOSE, measure, violations
 
 from .conftest import KINDS, LAYER_IDS, SPECULATORS, mixed_sequences, skip_unless_model_runs
 
@@ -70,3 +71,42 @@ def test_thresholds_reject_a_wrong_layer_and_a_wrong_sequence(engines, reference
         [ref16.hidden_states(o, LAYER_IDS) for _, o in cross],
     )
     assert len(violations(wrong_seq)) == len(wrong_seq)
+
+
+def _shift(h, lo: int = 0, hi: int | None = None):
+    """States of positions lo..hi-1 replaced by those of the previous token (a one-token shift)."""
+    lo, hi = max(lo, 1), h.shape[0] if hi is None else hi
+    out = h.clone()
+    out[lo:hi] = h[lo - 1:hi - 1]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_k25"])
+def test_planted_capture_bugs_fail_the_tight_rule(engines, references, kind):
+    """On the MoE models, the tight rule rejects every case of a wrong layer and of a one-token
+    shift, and rejects a shift confined to 8 tokens of one sequence - which the loose rule (one
+    sequence in twenty may exceed the per-case limits) lets through: why MoE layers are held tight."""
+    skip_unless_model_runs(kind)
+    seqs = mixed_sequences(6, seed=11, lo=200, hi=500)
+    results = engines.get("0.4.0.1", kind).generate(seqs)["results"]
+    ref32, ref16 = references(kind)
+    r32 = [ref32.hidden_states(s, LAYER_IDS) for s in seqs]
+    r16 = [ref16.hidden_states(s, LAYER_IDS) for s in seqs]
+    honest = measure(results, r32, r16)
+    assert not violations(honest), violations(honest)[:5]
+
+    shifted = [layer + 1 for layer in LAYER_IDS[:-1]]
+    wrong_layer = measure([{"hidden_states": r["hidden_states"][:-1]} for r in results],
+                          [ref32.hidden_states(s, shifted) for s in seqs], [ref16.hidden_states(s, shifted) for s in seqs])
+    assert len(violations(wrong_layer)) == len(wrong_layer)
+
+    one_token = measure([{"hidden_states": [_shift(h) for h in r["hidden_states"]]} for r in results], r32, r16)
+    assert len(violations(one_token)) == len(one_token)
+
+    # 8 tokens of sequence 0 shifted by one, in every captured layer (a chunk-boundary slip)
+    local = [{"hidden_states": [_shift(h, 100, 108) if i == 0 else h for h in r["hidden_states"]]}
+             for i, r in enumerate(results)]
+    local_cases = measure(local, r32, r16)
+    tight = violations(local_cases)
+    assert tight and all(m.startswith("sequence 0,") for m in tight), tight
+    assert violations(local_cases, LOOSE) == [], "the loose rule was expected to let a one-sequence slip through"
