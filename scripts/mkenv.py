@@ -9,7 +9,7 @@ Creates ``.envs/vllm-<V>/`` (a venv) with:
   next to a ``+cpu`` torch: "operator torchvision::nms does not exist");
 - speculators 0.3.0, 0.4.0 and 0.4.0.1, each in its own folder ``speculators-<X>/`` (installed
   ``--no-deps``: they declare deepspeed, datasets and vLLM itself), plus what their import needs;
-- speccompat itself (editable) with its test extras;
+- speccompat itself (editable) with its test and ray extras (the Ray engine test runs on a local cluster);
 - ``speccompat-env.json`` describing all of it, which the test suite reads. It is written last:
   only a complete environment has one.
 
@@ -311,7 +311,7 @@ def build(version: str, dest: Path, force: bool = False) -> dict:
         for s in SPECULATORS:
             run([py, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), f"speculators=={s}"])
         # speccompat's own build backend and test extras, so that installing it needs no index either
-        run([py, "-m", "pip", "download", "-q", "-d", str(wheels), "setuptools>=68", "wheel", f"{REPO}[test]"])
+        run([py, "-m", "pip", "download", "-q", "-d", str(wheels), "setuptools>=68", "wheel", f"{REPO}[test,ray]"])
         for own in wheels.glob("speccompat-*"):
             own.unlink()  # the checkout itself is installed editable, never from this folder
 
@@ -337,9 +337,9 @@ def build(version: str, dest: Path, force: bool = False) -> dict:
         spec_dirs[s] = str(target)
     def speccompat():
         try:
-            run([*local, "-e", f"{REPO}[test]"])
+            run([*local, "-e", f"{REPO}[test,ray]"])
         except subprocess.CalledProcessError:  # a dependency added since the downloads were made
-            run([*pip, "-e", f"{REPO}[test]"])
+            run([*pip, "-e", f"{REPO}[test,ray]"])
 
     steps.do("speccompat", speccompat)
     engine_env: dict[str, str] = {}

@@ -43,6 +43,8 @@ def test_parity_with_transformers(engines, references, record_cell, speculators,
                 max_bad_tokens=round(max(c.bad_tokens for c in cases), 4),
                 seconds=round(out["seconds"], 3), stats=out["stats"])
     assert not bad, f"{len(bad)} of {len(cases)} cases off:\n" + "\n".join(bad[:15])
+    # every step's token ids were checked, also for models called with inputs_embeds (kimi_k25)
+    assert out["stats"]["unverified_steps"] == 0, out["stats"]
 
 
 def test_thresholds_reject_a_wrong_layer_and_a_wrong_sequence(engines, references):

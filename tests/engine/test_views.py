@@ -53,8 +53,8 @@ def test_views_equal_the_copies_and_are_never_overwritten(engines, tmp_path):
     ckpt = engines.checkpoint("llama")
     # > transport.INLINE_LIMIT (4 MiB) per call, so that the states travel through shared memory
     a, b = mixed_sequences(12, seed=21, lo=200, hi=600), mixed_sequences(10, seed=22, lo=200, hi=600)
-    env = {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": ENGINE_ENV["speculators"]["0.4.0.1"],
-           "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    path = os.pathsep.join(p for p in (ENGINE_ENV["speculators"]["0.4.0.1"], os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": path, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps([str(ckpt), LAYER_IDS, a, b])],
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
