@@ -68,16 +68,21 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_durable(path: Path, data: bytes, flags: int = os.O_TRUNC) -> None:
+    """Write ``data`` to a new ``path`` and fsync it (``flags``: ``os.O_EXCL`` to refuse an existing one)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o644)
+    try:
+        write_all(FileOps(), fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """``path`` has either its old content or ``data``, whenever the process dies."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            write_all(FileOps(), fd, memoryview(data))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durable(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

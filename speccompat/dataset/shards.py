@@ -45,7 +45,16 @@ from . import provenance as prov_mod
 from .checksum import default_algorithm, digest_fn
 from .errors import Rejected
 from .formats import DTYPES, layout_named
-from .fsutil import LOCK_NAME, TMP_SUFFIX, check_output_dir, free_bytes, fsync_dir, human, lock_output_dir
+from .fsutil import (
+    LOCK_NAME,
+    TMP_SUFFIX,
+    check_output_dir,
+    free_bytes,
+    fsync_dir,
+    human,
+    lock_output_dir,
+    write_durable,
+)
 from .inputs import Sample
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 
@@ -184,12 +193,7 @@ def _shared_header(out_dir: Path, header: dict[str, Any]) -> dict[str, Any]:
     data = (json.dumps(header, ensure_ascii=False) + "\n").encode("utf-8")
     tmp = out_dir / f"{HEADER_NAME}.{os.getpid()}{TMP_SUFFIX}"
     if not path.exists():
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_durable(tmp, data)
         try:
             os.link(tmp, path)  # atomic and exclusive: fails with EEXIST when another shard was first
             fsync_dir(out_dir)
@@ -199,12 +203,7 @@ def _shared_header(out_dir: Path, header: dict[str, Any]) -> dict[str, Any]:
             if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
             with contextlib.suppress(FileExistsError):  # no hard links here: exclusive create
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-                try:
-                    os.write(fd, data)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                write_durable(path, data, os.O_EXCL)
         finally:
             tmp.unlink(missing_ok=True)
     for _ in range(50):
