@@ -14,8 +14,8 @@ import random
 import sys
 from pathlib import Path
 
-#: The checkpoint kind that stands in for Kimi-K2.5: its own architecture (vision tower + DeepseekV3), tiny.
-STAND_IN = "kimi_k25"
+#: The checkpoint kind that stands in for Kimi-K2.5 (its text architecture is DeepseekV3's).
+STAND_IN = "deepseek_v3"
 ROOT = Path(__file__).resolve().parents[2] / ".speccompat-demo" / "kimi"
 
 

@@ -36,15 +36,15 @@ pytestmark = [
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "kimi_k25"
-#: The example's stand-in model: Kimi-K2.5's own architecture (KimiK25ForConditionalGeneration), tiny.
-STAND_IN = "kimi_k25"
+#: The example's stand-in model kind (one constant: a Kimi-K2.5 kind can replace it).
+STAND_IN = "deepseek_v3"
 LAYER_IDS = [1, 2, 4, 5]  # includes the last layer of the 6-layer tiny model
 HIDDEN = 256
 MAX_SEQ_LEN = 256
 TIMEOUT = 900
-#: Checkpoint overrides (none: the tiny MoE checkpoints route by a checked margin, so no token
-#: switches experts on bf16 noise and the driver's files compare tightly with transformers).
-NO_FLIPS: dict = {}
+#: The tiny DeepseekV3 with all 8 routed experts active for every token: no token can switch
+#: experts on bf16 noise (see test_parity), so the driver's files compare tightly with transformers.
+NO_FLIPS = {"num_experts_per_tok": 8}
 EPOCH = "1700000000"  # SOURCE_DATE_EPOCH: the provenance's date, so that runs compare byte for byte
 
 
