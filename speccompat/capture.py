@@ -79,6 +79,43 @@ class _Step:
     input_ids: Any = None
     padded_tokens: int = 0
     layers: dict[int, Any] = field(default_factory=dict)
+    placed: bool = False  # its rows were copied to their place in the reply as the step ended
+
+
+class _Plan:
+    """Where the rows of each request of a call go in its reply: ``[layer, offset + position]``,
+    requests in the call's order (as :meth:`WorkerCapture._collect` lays them out)."""
+
+    def __init__(self, req_ids: list[str], lengths: list[int], busy: Any = ()) -> None:
+        import itertools
+
+        if len(req_ids) != len(lengths):
+            raise HiddenStatesError(f"{len(req_ids)} request ids for {len(lengths)} lengths")
+        self.req_ids, self.lengths = req_ids, [int(n) for n in lengths]
+        self.length = dict(zip(req_ids, self.lengths, strict=True))
+        self.offset = dict(zip(req_ids, itertools.accumulate([0, *self.lengths[:-1]]), strict=True))
+        self.total = sum(self.lengths)
+        self.busy = list(busy)
+        self.done: dict[str, int] = {}  # rows of each request placed so far
+        self.off: str | None = None  # why placement is off for this call
+        self.desc: dict[str, Any] | None = None
+        self.buf: Any = None
+        self.stream: Any = None  # the side stream the copies run on
+
+    def buffer(self, staging: Any, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+        """The reply's pinned staging view (allocated on the first step), or ``None`` where the
+        reply would travel inline or unpinned (then a copy would block the step)."""
+        if self.desc is None:
+            self.desc, self.buf = staging.allocate(shape, dtype, device, busy=self.busy)
+            if getattr(device, "type", device) == "cuda" and ("staging" not in self.desc or not staging.last.pinned):
+                self.buf = None  # a copy into pageable memory would block the step
+        if self.buf is not None and (tuple(self.buf.shape) != tuple(shape) or self.buf.dtype != dtype):
+            return None
+        return self.buf
+
+    def wait(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 class WorkerCapture:
@@ -121,6 +158,7 @@ class WorkerCapture:
         from .transport import Staging
 
         self.staging = Staging()  # reused for every reply of this worker (pinned when on a GPU)
+        self.plan: _Plan | None = None  # where each request's rows go in the reply (GPU, see _place)
         self._attach()
 
     # ------------------------------------------------------------------------------- attachment
@@ -151,6 +189,8 @@ class WorkerCapture:
                 step, self.active = self.active, None
                 if step is not None and step.order is not None:
                     self.steps.append(step)
+                    if self.plan is not None and self.keep:
+                        self._place(step)
 
         self._set_instance_attr(self.runner, "execute_model", types.MethodType(execute_model, self.runner))
 
@@ -173,6 +213,8 @@ class WorkerCapture:
             if name in vars(obj):
                 delattr(obj, name)
         self._attached.clear()
+        if self.plan is not None:
+            self.plan.wait()
         self.staging.release()
 
     # ----------------------------------------------------------------------------------- steps
@@ -216,11 +258,87 @@ class WorkerCapture:
 
         return hook
 
-    def reset(self, collecting: bool = True) -> None:
+    def reset(self, collecting: bool = True, req_ids: Any = None, lengths: Any = None, busy: Any = ()) -> None:
+        """Start (or end) a call. With the call's ``req_ids`` and prompt ``lengths`` (the driver
+        knows them before the first step), states captured on a GPU are copied to their place in the
+        reply as each step ends (:meth:`_place`), overlapping the next steps' forward."""
+        if self.plan is not None:
+            self.plan.wait()  # no copy of the last call may still write into a staging file
         self.steps = []
         self.active = None
         self.prompts = {}
         self.collecting = collecting
+        self.plan = _Plan(list(req_ids), list(lengths), busy) if collecting and req_ids is not None else None
+
+    # ----------------------------------------------------------------------- per-step placement
+    def _side_stream(self, device: Any) -> Any:
+        import torch
+
+        if getattr(self, "_side", None) is None:
+            self._side = torch.cuda.Stream(device)
+        return self._side
+
+    def _place(self, step: _Step) -> None:
+        """Copy the step's rows of every layer to their place in the reply, on a side stream.
+
+        The place of a request's chunk is its offset in the call plus the tokens of it placed so far:
+        what the verification in :meth:`_collect` later checks against the positions the model ran.
+        On CPU the copy is made at once (one copy instead of the gather's two). Any step that cannot
+        be placed (a request outside the plan, a reply that would travel in unpinned memory from a
+        GPU) turns placement off for the call: :meth:`_collect` then gathers
+        every row from the device as before. A step's tokens of consecutive requests are one run."""
+        plan = self.plan
+        if plan is None or plan.off:
+            return
+        first = step.layers.get(self.layer_ids[0])
+        if len(step.layers) != len(self.layer_ids) or first is None:
+            plan.off = "a step without the states of every layer"
+            return
+        if first.device.type not in ("cuda", "cpu"):
+            plan.off = f"states on a {first.device.type} device"
+            return
+        runs: list[list[int]] = []  # [source row, destination row, rows]
+        src = 0
+        for rid in step.order:
+            n = step.scheduled[rid]
+            start, offset, length = plan.done.get(rid, 0), plan.offset.get(rid), plan.length.get(rid, 0)
+            if offset is None or start + n > length:
+                plan.off = f"request {rid} outside the call's plan"
+                return
+            dst = offset + start
+            if runs and runs[-1][1] + runs[-1][2] == dst:
+                runs[-1][2] += n
+            else:
+                runs.append([src, dst, n])
+            plan.done[rid] = start + n
+            src += n
+        try:
+            buf = plan.buffer(self.staging, (len(self.layer_ids), plan.total, first.shape[-1]), first.dtype,
+                              first.device)
+        except Exception as exc:  # noqa: BLE001 - placement is an optimisation: gather at the end instead
+            plan.off = f"no staging file: {exc}"
+            return
+        if buf is None:
+            plan.off = "the reply travels inline or in unpinned memory"
+            return
+        if first.device.type == "cpu":  # one copy now instead of two (cat, index_select) at the end
+            for i, layer_id in enumerate(self.layer_ids):
+                t = step.layers[layer_id]
+                for s0, d0, n in runs:
+                    buf[i, d0 : d0 + n].copy_(t[s0 : s0 + n])
+            step.placed = True
+            return
+        import torch
+
+        side = plan.stream = self._side_stream(first.device)
+        side.wait_stream(torch.cuda.current_stream(first.device))
+        with torch.cuda.stream(side):
+            for i, layer_id in enumerate(self.layer_ids):
+                t = step.layers[layer_id]
+                t.record_stream(side)  # the caching allocator must not reuse it before the copy ran
+                for s0, d0, n in runs:
+                    buf[i, d0 : d0 + n].copy_(t[s0 : s0 + n], non_blocking=True)
+        step.placed = True
 
     # -------------------------------------------------------------------------------- assembly
     def collect(self, req_ids: list[str], busy: Any = ()) -> dict[str, Any] | None:
@@ -299,6 +417,19 @@ class WorkerCapture:
                 raise HiddenStatesError(f"request {rid}: captured {done.get(rid, 0)} of {want_len} prompt tokens")
             lengths.append(want_len)
         t_verified = time.perf_counter()
+        plan, placed = self.plan, sum(s.placed for s in self.steps)
+        if (plan is not None and plan.off is None and plan.buf is not None and restarts == 0
+                and placed == len(self.steps) and plan.req_ids == list(req_ids) and plan.lengths == lengths):
+            plan.wait()  # the last steps' copies
+            if not self._any_nonfinite():
+                stats = self._stats(req_ids, chunks, restarts, unverified, t0, t_verified, placed)
+                return {"req_ids": list(req_ids), "lengths": lengths, "layer_ids": list(self.layer_ids),
+                        "states": plan.desc, "nonfinite": {}, "stats": stats}
+            # non-finite values: the gather below finds the first bad row for the report
+        if plan is not None:
+            plan.wait()
+            if plan.off:
+                logger.debug("states gathered at the end of the call: %s", plan.off)
         # Rows of all steps' tokens, in the order of req_ids and their chunks: one gather per layer,
         # straight into the buffer that travels to the driver (on CPU; from the device: one copy).
         index = torch.from_numpy(
@@ -319,15 +450,7 @@ class WorkerCapture:
             if packed.data_ptr() != buf[i].data_ptr():
                 buf[i].copy_(packed, non_blocking=True)
         self.staging.ready()  # the staging file is reused: nothing to discard if this fails
-        t_gathered = time.perf_counter()
-        stats = {
-            "steps": len(self.steps),
-            "chunked": sum(1 for rid in req_ids if len(chunks[rid]) > 1),
-            "restarted": restarts,
-            "unverified_steps": unverified,  # steps whose token ids could not be checked
-            "worker_verify_s": round(t_verified - t0, 4),
-            "worker_gather_s": round(t_gathered - t_verified, 4),
-        }
+        stats = self._stats(req_ids, chunks, restarts, unverified, t0, t_verified, 0)
         return {
             "req_ids": list(req_ids),
             "lengths": lengths,
@@ -336,6 +459,32 @@ class WorkerCapture:
             "nonfinite": nonfinite,  # layer id -> (first bad token row, rows with non-finite values)
             "stats": stats,
         }
+
+    def _stats(self, req_ids: list[str], chunks: dict, restarts: int, unverified: int, t0: float,
+               t_verified: float, placed: int) -> dict[str, Any]:
+        import time
+
+        return {
+            "steps": len(self.steps),
+            "chunked": sum(1 for rid in req_ids if len(chunks[rid]) > 1),
+            "restarted": restarts,
+            "unverified_steps": unverified,  # steps whose token ids could not be checked
+            "placed_steps": placed,  # steps copied into the reply as they ended (0: gathered at the end)
+            "worker_verify_s": round(t_verified - t0, 4),
+            "worker_gather_s": round(time.perf_counter() - t_verified, 4),
+        }
+
+    def _any_nonfinite(self) -> bool:
+        """Whether any captured row holds inf or nan: one flag per step and layer, on the device,
+        and one synchronisation."""
+        import torch
+
+        flags = []
+        for step in self.steps:
+            for t in step.layers.values():
+                mask = _EXPONENT.get(str(t.dtype).removeprefix("torch."))
+                flags.append((((t.view(torch.int16) & mask) == mask) if mask else ~torch.isfinite(t)).any())
+        return bool(torch.stack(flags).any()) if flags else False
 
     @staticmethod
     def _misplaced(k: int, rid: str, pos: Any, step: _Step, expect: int) -> HiddenStatesError:
@@ -360,12 +509,14 @@ def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
     logger.info("capturing layers %s (hooks on decoder layers)", list(layer_ids))
 
 
-def reset_capture(self: Any) -> None:
-    """Replacement for ``HiddenStatesWorkerExtension._reset_capture``."""
+def reset_capture(self: Any, req_ids: list[str] | None = None, lengths: list[int] | None = None,
+                  busy: list[str] | None = None) -> None:
+    """Replacement for ``HiddenStatesWorkerExtension._reset_capture``. speccompat's driver also
+    gives the call's request ids, prompt lengths and busy staging files (see ``WorkerCapture.reset``)."""
     cap = getattr(self, "_speccompat_capture", None)
     if cap is None:
         raise RuntimeError("Must call _setup_hidden_states_capture before capturing states")
-    cap.reset()
+    cap.reset(req_ids=req_ids, lengths=lengths, busy=busy or ())
 
 
 def get_captured_states(self: Any, req_ids: list[str] | None = None, busy: list[str] | None = None

@@ -145,7 +145,9 @@ def compat_generate(self: Any, token_ids: Any, *, copy: bool = True) -> list[dic
     executor, scheduler = self.executor, self.scheduler
 
     t_start = time.perf_counter()
-    executor.collective_rpc("_reset_capture")
+    # The call's layout goes to the workers first: on a GPU each step's states are then copied to
+    # their place in the reply while the next steps run (speccompat.capture.WorkerCapture._place).
+    executor.collective_rpc("_reset_capture", args=(req_ids, [len(s) for s in seqs], transport.busy()))
     sampling = mod.SamplingParams(max_tokens=1, temperature=0.0)
     for rid, seq in zip(req_ids, seqs, strict=True):
         scheduler.add_request(

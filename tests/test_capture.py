@@ -63,7 +63,8 @@ class Runner:
     calls multimodal ones, with ``inputs_embeds`` and ``input_ids=None``; the step's token ids
     then sit in the runner's ``input_ids`` buffer (``.gpu``), unless ``buffer`` is False."""
 
-    def __init__(self, base: Base, embeds: bool = False, buffer: bool = True) -> None:
+    def __init__(self, base: Base, embeds: bool = False, buffer: bool = True, device: str = "cpu") -> None:
+        self.device = device
         self.model = types.SimpleNamespace(model=base)
         self.input_batch = types.SimpleNamespace(req_ids=[])
         self.prompts: dict[str, list[int]] = {}
@@ -79,9 +80,9 @@ class Runner:
             start, n = so.starts[rid], so.num_scheduled_tokens[rid]
             ids += self.prompts[rid][start : start + n]
             pos += list(range(start, start + n))
-        ids_t = torch.tensor(ids)
+        ids_t = torch.tensor(ids, device=self.device)
         if not self.embeds:
-            self.model.model.forward(ids_t, torch.tensor(pos))
+            self.model.model.forward(ids_t, torch.tensor(pos, device=self.device))
             return
         if hasattr(self, "input_ids"):
             self.input_ids.gpu[: len(ids)] = ids_t
@@ -143,6 +144,80 @@ def test_chunks_over_steps_in_runner_order_are_reassembled_per_request(tp):
         got = torch.split(states[j], out["lengths"])
         for rid, g in zip("abc", got, strict=True):
             assert torch.equal(g, expected(runner.prompts[rid], layer)), (rid, layer)
+
+
+def _states_per_request(out):
+    from speccompat.transport import unpack
+
+    states = unpack(out["states"])
+    return [torch.split(states[j], out["lengths"]) for j in range(states.shape[0])]
+
+
+def test_states_placed_as_steps_end_equal_the_gathered_ones(tp):
+    """With the call's layout (what speccompat's driver gives ``_reset_capture``), each step's rows
+    are copied into the reply as the step ends; the reply equals the one gathered at the end."""
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12], "c": [13, 14], "d": [15, 16, 17, 18]}
+    outs = {}
+    for placed in (False, True):
+        runner, cap = make([0, 3])
+        runner.prompts = prompts
+        cap.reset(req_ids=list("abcd"), lengths=[5, 3, 2, 4]) if placed else cap.reset()
+        step(runner, ["b", "a"], {"b": (0, 3), "a": (0, 2)}, new=["a", "b"])  # two runs: b, then a's head
+        step(runner, ["a", "c", "d"], {"a": (2, 3), "c": (0, 2), "d": (0, 1)}, new=["c", "d"])  # one run
+        step(runner, ["d"], {"d": (1, 3)})
+        outs[placed] = cap.collect(list("abcd"))
+        assert outs[placed]["stats"]["placed_steps"] == (3 if placed else 0)
+    for j, layer in enumerate([0, 3]):
+        for rid, g, h in zip("abcd", _states_per_request(outs[True])[j], _states_per_request(outs[False])[j],
+                             strict=True):
+            assert torch.equal(g, expected(prompts[rid], layer)) and torch.equal(g, h), (rid, layer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies on a CUDA side stream need a GPU")
+def test_placement_on_a_gpu_copies_into_the_pinned_staging_file_on_a_side_stream(tp, monkeypatch):
+    import speccompat.transport as transport
+
+    monkeypatch.setattr(transport, "INLINE_LIMIT", 0)  # tiny states, but through the staging file
+    prompts = {f"r{i}": list(range(i, i + 50 + i)) for i in range(6)}
+    rids, lengths = list(prompts), [len(p) for p in prompts.values()]
+    runner, cap = make([0, 2], device="cuda")
+    runner.prompts = prompts
+    cap.reset(req_ids=rids, lengths=lengths)
+    step(runner, rids[:4], {r: (0, len(prompts[r])) for r in rids[:4]}, new=rids[:4])
+    step(runner, rids[4:], {"r4": (0, 20), "r5": (0, len(prompts["r5"]))}, new=rids[4:])
+    step(runner, ["r4"], {"r4": (20, len(prompts["r4"]) - 20)})
+    out = cap.collect(rids)
+    assert out["stats"]["placed_steps"] == 3 and "staging" in out["states"] and cap.staging.pinned
+    assert cap.plan is None  # collected: nothing of the call is left to wait for
+    for j, layer in enumerate([0, 2]):
+        for rid, g in zip(rids, _states_per_request(out)[j], strict=True):
+            assert torch.equal(g, expected(prompts[rid], layer)), (rid, layer)
+    cap.detach()
+
+
+def test_placement_falls_back_to_the_gather_when_a_request_is_recomputed(tp):
+    runner, cap = make([1, 2])
+    runner.prompts = {"a": [5, 6, 7, 8], "b": [9, 10]}
+    cap.reset(req_ids=["a", "b"], lengths=[4, 2])
+    step(runner, ["a"], {"a": (0, 2)}, new=["a"])
+    step(runner, ["a", "b"], {"a": (0, 4), "b": (0, 2)}, new=["b"])  # a preempted, recomputed from 0
+    out = cap.collect(["a", "b"])
+    assert out["stats"]["restarted"] == 1 and out["stats"]["placed_steps"] == 0
+    for j, layer in enumerate([1, 2]):
+        for rid, g in zip("ab", _states_per_request(out)[j], strict=True):
+            assert torch.equal(g, expected(runner.prompts[rid], layer)), (rid, layer)
+
+
+def test_placed_states_with_non_finite_values_are_reported_as_gathered_ones(tp):
+    outs = []
+    for plan in ({}, {"req_ids": ["a", "b"], "lengths": [3, 3]}):
+        runner, cap = make([1])
+        runner.prompts = {"a": [5, 6, 7], "b": [8, 9, 10]}
+        cap.reset(**plan)
+        step(runner, ["a", "b"], {"a": (0, 3), "b": (0, 3)}, new=["a", "b"])
+        cap.steps[0].layers[1][4, 2] = float("inf")  # token 1 of b
+        outs.append(cap.collect(["a", "b"]))
+    assert outs[0]["nonfinite"] == outs[1]["nonfinite"] == {1: (4, 1)}
 
 
 def test_a_preempted_request_counts_only_its_recomputation(tp):
