@@ -77,10 +77,13 @@ def worst(codes: list[int]) -> int:
     return max(norm, default=0)
 
 
-def partition_devices(engines: int, per_engine: int, env: Mapping[str, str] | None = None) -> list[str] | None:
+def partition_devices(engines: int, per_engine: int, env: Mapping[str, str] | None = None,
+                      engines_per_gpu: int = 1) -> list[str] | None:
     """``CUDA_VISIBLE_DEVICES`` for each engine: consecutive groups of ``per_engine`` of the visible
-    devices (``CUDA_VISIBLE_DEVICES`` when set, else the GPUs the NVIDIA driver lists). None when
-    this host has no NVIDIA GPU (CPU engines). Raises ValueError when there are too few."""
+    devices (``CUDA_VISIBLE_DEVICES`` when set, else the GPUs the NVIDIA driver lists), each group
+    shared by ``engines_per_gpu`` consecutive engines (a model much smaller than a GPU: several
+    engines, each with its share of the GPU's memory). None when this host has no NVIDIA GPU (CPU
+    engines). Raises ValueError when there are too few."""
     env = os.environ if env is None else env
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip():
@@ -93,10 +96,13 @@ def partition_devices(engines: int, per_engine: int, env: Mapping[str, str] | No
             return None
         devices = [str(i) for i in range(count)]
         where = f"{count} GPUs listed by the NVIDIA driver"
-    need = engines * per_engine
+    groups = -(-engines // engines_per_gpu)
+    need = groups * per_engine
     if len(devices) < need:
-        raise ValueError(f"{engines} engines of {per_engine} GPU(s) need {need} GPUs; this host has {where}")
-    return [",".join(devices[d * per_engine:(d + 1) * per_engine]) for d in range(engines)]
+        shared = f", {engines_per_gpu} per GPU," if engines_per_gpu > 1 else ""
+        raise ValueError(f"{engines} engines of {per_engine} GPU(s){shared} need {need} GPUs; this host has {where}")
+    return [",".join(devices[g * per_engine:(g + 1) * per_engine]) for d in range(engines)
+            for g in [d // engines_per_gpu]]
 
 
 def partition_cpus(engines: int, per_engine: int) -> list[str] | None:
@@ -217,10 +223,10 @@ class _ShardActor:
         return self.run_state.done, self.run_state.todo, socket.gethostname()
 
 
-def run_ray(runs: list[EngineRun], *, address: str | None, gpus_per_engine: int, cpus_per_engine: float = 1.0,
+def run_ray(runs: list[EngineRun], *, address: str | None, gpus_per_engine: float, cpus_per_engine: float = 1.0,
             on_progress: Callable[[list[EngineRun]], None] | None = None) -> list[int]:
-    """Run each engine's command in a Ray actor with ``gpus_per_engine`` GPUs (0 on a cluster
-    without GPUs) and return the exit statuses. ``address``: a cluster's address, ``auto`` (the
+    """Run each engine's command in a Ray actor with ``gpus_per_engine`` GPUs (a fraction where
+    engines share a GPU; 0 on a cluster without GPUs) and return the exit statuses. ``address``: a cluster's address, ``auto`` (the
     one this node belongs to; Ray reads ``RAY_ADDRESS`` itself) or ``local`` (start a
     single-node cluster in this process, for trying things out). ``EngineRun.argv`` is the
     command after the Python executable: the actors run it with their own interpreter, so the
@@ -243,15 +249,15 @@ def run_ray(runs: list[EngineRun], *, address: str | None, gpus_per_engine: int,
             logger.warning("the Ray cluster has no GPUs: the %d engine(s) run on CPU", len(runs))
             gpus_per_engine = 0
         elif gpus_per_engine and gpus < gpus_per_engine:
-            raise ValueError(f"an engine needs {gpus_per_engine} GPUs, the Ray cluster has {gpus:g}")
+            raise ValueError(f"an engine needs {gpus_per_engine:g} GPUs, the Ray cluster has {gpus:g}")
         elif gpus_per_engine * len(runs) > gpus:
-            logger.warning("%d engines of %d GPUs exceed the cluster's %g GPUs: some wait for others to finish",
+            logger.warning("%d engines of %g GPUs exceed the cluster's %g GPUs: some wait for others to finish",
                            len(runs), gpus_per_engine, gpus)
         actor_cls = ray.remote(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine, max_concurrency=2)(_ShardActor)
         actors = [actor_cls.remote() for _ in runs]
         refs = {a.run.remote(r.name, r.argv, r.env): (k, a) for k, (a, r) in enumerate(zip(actors, runs, strict=True))}
         for r in runs:
-            logger.info("%s: submitted to Ray (%d GPU(s))", r.name, gpus_per_engine)
+            logger.info("%s: submitted to Ray (%g GPU(s))", r.name, gpus_per_engine)
         pending = list(refs)
         last = time.monotonic()
         while pending:
@@ -297,9 +303,15 @@ def launch_engines(args: Any, argv: list[str], script: Path) -> int:
 
     outer = resolve_shard(args.num_shards, args.shard_index)
     D = args.data_parallel_size
+    share = getattr(args, "engines_per_gpu", 1)
+    memory = getattr(args, "gpu_memory_utilization", None)
+    if share > 1 and memory is not None and memory * share > 1.0:
+        raise Rejected(f"--engines-per-gpu {share} with --gpu-memory-utilization {memory}: the engines sharing a GPU "
+                       f"would ask for {memory * share:.2f} of its memory; give each at most {1 / share:.2f}")
     total = outer.num_shards * D
-    logger.info("%s; %d engine(s) of %d GPU(s) each on %s: shards %d..%d of %d", outer, D, args.tp_size,
-                "Ray" if args.ray else "this host", outer.index * D, outer.index * D + D - 1, total)
+    logger.info("%s; %d engine(s) of %d GPU(s) each%s on %s: shards %d..%d of %d", outer, D, args.tp_size,
+                f", {share} per GPU" if share > 1 else "", "Ray" if args.ray else "this host", outer.index * D,
+                outer.index * D + D - 1, total)
     base = _without(list(argv), "--ray")
     runs = []
     for d in range(D):
@@ -308,12 +320,12 @@ def launch_engines(args: Any, argv: list[str], script: Path) -> int:
         runs.append(EngineRun(f"engine {d} (shard {k} of {total})", [str(script), *tail]))
     if args.ray:
         try:
-            codes = run_ray(runs, address=args.ray_address, gpus_per_engine=args.tp_size)
+            codes = run_ray(runs, address=args.ray_address, gpus_per_engine=args.tp_size / share)
         except (ImportError, ValueError) as exc:
             raise Rejected(str(exc)) from None
     else:
         try:
-            devices = partition_devices(D, args.tp_size)
+            devices = partition_devices(D, args.tp_size, engines_per_gpu=share)
         except ValueError as exc:
             raise Rejected(str(exc)) from None
         cpus = partition_cpus(D, args.tp_size) if devices is None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ \

@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sc.add_argument("--data-parallel-size", type=_positive_int, default=1,
                     help="engines of --tp-size GPUs each, one shard each, side by side on this host "
                          "(or Ray actors with --ray); the data set is merged when all have finished")
+    sc.add_argument("--engines-per-gpu", type=_positive_int, default=1,
+                    help="engines sharing each group of --tp-size GPUs (a model much smaller than a GPU); "
+                         "give each its share with --gpu-memory-utilization (at most 1/N)")
     sc.add_argument("--ray", action="store_true",
                     help="run the --data-parallel-size engines as Ray actors on an existing cluster")
     sc.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
