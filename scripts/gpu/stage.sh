@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepare a CUDA vLLM release + speculators for an offline GPU machine (no network there, 64 MiB per
 # call). Run here:   scripts/gpu/stage.sh 0.32.0
-# then, back to back on the device (see docs/gpu.md): one `stage unitK` call per unit listed in
-# .gpu-stage/UNITS, then `scripts/gpu/device_run.sh install` and the test/bench modes.
+# then, back to back on the device (see docs/gpu.md): one `stage unitK ...` call per line of
+# .gpu-stage/CALLS (the units that fit in one call), then `scripts/gpu/device_run.sh install` and the test/bench modes.
 #
 # The device image has Python 3.12 and torch 2.11.0+cu130 (transformers 5.17.0, cuDNN 9.19). vLLM
 # 0.20.0-0.26.0 pin torch 2.11.0 and need only the vLLM wheel and the deps the image lacks. Later
@@ -104,4 +104,12 @@ for d in $(sed "s|^|$DEST/|" "$DEST/UNITS") "$DEST/spec"; do
   printf '%s %s\n' "$(find "$d" -type f -printf '%s\n' | awk '{ s += $1 } END { print s }')" "$d"
 done | awk -v c="$checkout" '{ printf "%-22s %6.2f MiB%s\n", $2, $1/1048576, ($1 + c > 64*1048576 ? "  OVER THE 64 MiB CALL LIMIT WITH THE CHECKOUT" : "") }'
 echo "checkout: $(awk -v c="$checkout" 'BEGIN { printf "%.2f", c/1048576 }') MiB"
-echo "units: $(wc -l < "$DEST/UNITS") (.gpu-stage/UNITS); carry each in its own back-to-back call"
+# Calls: units packed first-fit (largest first) into calls of <= 63 MiB with the checkout, at most 7
+# units a call (carry takes 8 paths; device.sh is one): one line of .gpu-stage/CALLS per call.
+for u in $(cat "$DEST/UNITS"); do echo "$(find "$DEST/$u" -type f -printf '%s\n' | awk '{ s += $1 } END { print s }') $u"; done \
+  | sort -rn | awk -v room=$(( 63*1048576 - checkout )) '
+      { for (i = 1; i <= n; i++) if (used[i] + $1 <= room && count[i] < 7) break
+        if (i > n) { n = i; used[i] = 0; count[i] = 0 }
+        used[i] += $1; count[i]++; calls[i] = calls[i] " " $2 }
+      END { for (i = 1; i <= n; i++) print substr(calls[i], 2) }' > "$DEST/CALLS"
+echo "units: $(wc -l < "$DEST/UNITS") in $(wc -l < "$DEST/CALLS") back-to-back calls (.gpu-stage/CALLS: the units of each call)"
