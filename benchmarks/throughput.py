@@ -19,6 +19,9 @@ Modes (each runs in its own fresh process, one after the other, engine start-up 
              --driver-batch sequences per call; the timed part ends when the last file is durable.
              driver-disk: the same into --disk-dir, next to that disk's own fsync'd sequential
              write bandwidth measured in the same run (disk_write_gbps)
+  driver-dp  --dp-size engines side by side (one GPU each share: --gpu-memory-utilization is
+             split between them), each the driver mode on every dp-size-th sequence, started
+             together once all are warm; tokens/s of the whole job (first start to last finish)
 
     python benchmarks/throughput.py --out results.json [--model llama] [--sequences 128] ...
 
@@ -88,6 +91,9 @@ def run_mode(args: argparse.Namespace) -> dict:
         extract = native_extractor(args)
     elif args.mode in ("driver", "driver-disk"):
         extract = driver_extractor(args)
+    dp = (args.dp_size or 1) > 1 and args.barrier is not None  # one engine of a driver-dp run
+    if dp:  # this engine's share of each workload
+        workloads = [{**w, "seqs": w["seqs"][args.dp_rank :: args.dp_size]} for w in workloads]
     else:
         if args.mode == "original":
             os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
@@ -112,21 +118,30 @@ def run_mode(args: argparse.Namespace) -> dict:
     # worker's staging buffer grown and pinned, as after the first batch of a long extraction).
     for batch in batches(workloads[0]):
         extract(batch)
+    if dp:
+        barrier(Path(args.barrier), args.dp_rank, args.dp_size)
+    # driver modes: the main workload once per --driver-batches size too ("main, batch=B")
+    runs = [(w, w["name"], None) for w in workloads]
+    if args.mode.startswith("driver") and args.driver_batches:
+        runs += [(workloads[0], f"{workloads[0]['name']}, batch={b}", b) for b in args.driver_batches]
     results = []
-    for w in workloads:
+    for w, name, driver_batch in runs:
         seqs, per_call = w["seqs"], w["per_call"] or len(w["seqs"])
-        t0 = time.perf_counter()
+        extract.batch = driver_batch or args.driver_batch
+        wall0, t0 = time.time(), time.perf_counter()
         try:
             for batch in batches(w):
                 extract(batch)
         except Exception as exc:  # noqa: BLE001 - e.g. the original generator beyond 32 sequences
-            results.append({"workload": w["name"], "error": f"{type(exc).__name__}: {exc}"[:300]})
+            results.append({"workload": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
             continue
         seconds = time.perf_counter() - t0
         tokens = sum(map(len, seqs))
-        results.append({"workload": w["name"], "seconds": round(seconds, 3), "sequences": len(seqs),
+        results.append({"workload": name, "seconds": round(seconds, 3), "sequences": len(seqs),
                         "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                         "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
+                        **({"driver_batch": extract.batch} if args.mode.startswith("driver") else {}),
+                        **({"wall": [round(wall0, 3), round(wall0 + seconds, 3)]} if dp else {}),
                         **({"last_call": extract.stats} if getattr(extract, "stats", None) else {})})
     return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results,
             "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
@@ -195,9 +210,11 @@ def driver_extractor(args: argparse.Namespace):
         scan = scan_jsonl(data, vocab_size=info.vocab_size, max_seq_len=args.max_model_len - 1, on_long="fail")
         ds = open_dataset(out, scan.samples, prov)
         writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
-        for first in range(0, len(ds.todo), args.driver_batch):
-            part = ds.todo[first:first + args.driver_batch]
-            res = gen.generate([list(s.input_ids) for s in part])
+        size = getattr(extract, "batch", None) or args.driver_batch
+        for first in range(0, len(ds.todo), size):
+            part = ds.todo[first:first + size]
+            # as examples/*/extract_hidden_states.py: views of the worker's staging file, written from there
+            res = gen.generate([list(s.input_ids) for s in part], copy=False)
             writer.submit([ds.job(s, r["hidden_states"]) for s, r in zip(part, res, strict=True)])
         stats = writer.close()
         extract.stats = {**(getattr(gen, "_speccompat_stats", None) or {}), "files": stats.files,
@@ -207,6 +224,17 @@ def driver_extractor(args: argparse.Namespace):
         data.unlink()
 
     return extract
+
+
+def barrier(where: Path, rank: int, size: int, timeout: float = 900.0) -> None:
+    """Wait until every engine of a driver-dp run is warm, so that they are timed together."""
+    where.mkdir(parents=True, exist_ok=True)
+    (where / f"ready-{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(where.glob("ready-*"))) < size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine {rank}: the other driver-dp engines were not ready within {timeout:.0f} s")
+        time.sleep(0.05)
 
 
 def disk_write_gbps(directory: str, total: int = 4 << 30, block: int = 16 << 20) -> float:
@@ -294,17 +322,54 @@ def tree_peak_rss() -> int:
     return sum(hwm(p) for p in _tree(os.getpid()))
 
 
+def child_command(mode: str, args: argparse.Namespace, inputs: Path, out: Path, *extra: str,
+                  memory: float | None = None) -> list[str]:
+    return [sys.executable, __file__, "--child", mode, "--inputs", str(inputs), "--child-out", str(out),
+            "--model-path", str(args.model_path), "--max-model-len", str(args.max_model_len),
+            "--gpu-memory-utilization", str(memory or args.gpu_memory_utilization), "--tp", str(args.tp),
+            "--driver-dir", args.driver_dir, "--disk-dir", args.disk_dir, "--driver-batch", str(args.driver_batch),
+            "--writer-threads", str(args.writer_threads), "--max-in-flight-gb", str(args.max_in_flight_gb),
+            *(["--driver-batches", *map(str, args.driver_batches)] if args.driver_batches else []), *extra]
+
+
 def spawn_mode(mode: str, args: argparse.Namespace, inputs: Path) -> dict:
+    if mode == "driver-dp":
+        return spawn_dp(args, inputs)
     out = Path(tempfile.mkdtemp()) / "result.json"
-    cmd = [sys.executable, __file__, "--child", mode, "--inputs", str(inputs), "--child-out", str(out),
-           "--model-path", str(args.model_path), "--max-model-len", str(args.max_model_len),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--tp", str(args.tp),
-           "--driver-dir", args.driver_dir, "--disk-dir", args.disk_dir, "--driver-batch", str(args.driver_batch),
-           "--writer-threads", str(args.writer_threads), "--max-in-flight-gb", str(args.max_in_flight_gb)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(child_command(mode, args, inputs, out), capture_output=True, text=True)
     if proc.returncode != 0:
         return {"mode": mode, "error": (proc.stderr or proc.stdout)[-3000:]}
     return json.loads(out.read_text())
+
+
+def spawn_dp(args: argparse.Namespace, inputs: Path) -> dict:
+    """driver-dp: --dp-size driver engines at once, each with its share of the GPU's memory; the job's
+    figures from their timed windows (first start to last finish), memory summed over them."""
+    n, work = args.dp_size or 2, Path(tempfile.mkdtemp())
+    procs = [subprocess.Popen(child_command("driver", args, inputs, work / f"result-{k}.json", "--dp-size", str(n),
+                                            "--dp-rank", str(k), "--barrier", str(work / "barrier"),
+                                            memory=args.gpu_memory_utilization / n),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in range(n)]
+    logs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        k = next(k for k, p in enumerate(procs) if p.returncode)
+        return {"mode": "driver-dp", "error": f"engine {k}: " + logs[k][-3000:]}
+    parts = [json.loads((work / f"result-{k}.json").read_text()) for k in range(n)]
+    workloads = []
+    for ws in zip(*(p["workloads"] for p in parts), strict=True):
+        if any("error" in w for w in ws):
+            workloads.append(next(w for w in ws if "error" in w))
+            continue
+        seconds = max(w["wall"][1] for w in ws) - min(w["wall"][0] for w in ws)
+        tokens, seqs = sum(w["tokens"] for w in ws), sum(w["sequences"] for w in ws)
+        workloads.append({"workload": ws[0]["workload"], "seconds": round(seconds, 3), "sequences": seqs,
+                          "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                          "samples_per_s": round(seqs / seconds, 2), "driver_batch": ws[0].get("driver_batch"),
+                          "engines": [{k: w[k] for k in ("seconds", "tokens", "tokens_per_s")} for w in ws]})
+    return {"mode": "driver-dp", "engines": n, "gpu_memory_utilization_each": args.gpu_memory_utilization / n,
+            "startup_s": max(p["startup_s"] for p in parts), "workloads": workloads,
+            "peak_rss_mb": round(sum(p["peak_rss_mb"] for p in parts), 1),
+            "peak_pss_mb": round(sum(p["peak_pss_mb"] for p in parts), 1)}
 
 
 def main() -> int:
@@ -324,12 +389,15 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["generator", "plain"],
                     choices=["generator", "generator-views", "plain", "plain-sync", "original", "native",
-                             "driver", "driver-disk"])
+                             "driver", "driver-disk", "driver-dp"])
     ap.add_argument("--driver-dir", default="/dev/shm/speccompat-bench" if os.path.isdir("/dev/shm") else
                     os.path.join(tempfile.gettempdir(), "speccompat-bench"), help="driver mode: output root")
     ap.add_argument("--disk-dir", default=os.path.join(tempfile.gettempdir(), "speccompat-bench-disk"),
                     help="driver-disk mode: output root on the disk to measure")
     ap.add_argument("--driver-batch", type=int, default=64, help="driver modes: sequences per generate() call")
+    ap.add_argument("--driver-batches", type=int, nargs="*", default=[],
+                    help="driver modes: also time the main workload at these sequences per call (same engine)")
+    ap.add_argument("--dp-size", type=int, default=None, help="driver-dp: engines side by side (default 2)")
     ap.add_argument("--writer-threads", type=int, default=4, help="driver modes: writer threads")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0, help="driver modes: in-flight budget")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
@@ -338,6 +406,8 @@ def main() -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--dp-rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--barrier", help=argparse.SUPPRESS)
     chosen, _ = ap.parse_known_args()
     if chosen.config:
         ap.set_defaults(**CONFIGS[chosen.config])
@@ -409,10 +479,18 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     ratios = {}
     for w in workloads:
         ratios[w["name"]] = {f"{mine}/{other}": round(g / t, 3) if g and t else None
-                             for mine in ("generator", "generator-views", "driver", "driver-disk")
+                             for mine in ("generator", "generator-views", "driver", "driver-disk", "driver-dp")
                              for g in [tps(mine, w["name"])]
-                             for other in ("plain", "plain-sync", "original", "native") for t in [tps(other, w["name"])]}
+                             for other in ("plain", "plain-sync", "original", "native", "driver")
+                             for t in [tps(other, w["name"])] if mine != other}
         ratios[w["name"]] = {k: v for k, v in ratios[w["name"]].items() if v is not None}
+    # the driver modes' extra batch sizes ("main, batch=B"), against the same workload's plain prefill
+    for mine in ("driver", "driver-disk", "driver-dp"):
+        for r in results.get(mine, {}).get("workloads", []):
+            name, _, b = r["workload"].partition(", batch=")
+            plain = tps("plain", name)
+            if b and plain and r.get("tokens_per_s"):
+                ratios.setdefault(name, {})[f"{mine} batch={b}/plain"] = round(r["tokens_per_s"] / plain, 3)
         bytes_per_token = len(LAYER_IDS) * 2 * hidden_size(args)
         d = tps("driver-disk", w["name"])
         disk = results.get("disk", {}).get("disk_write_gbps")
