@@ -6,10 +6,13 @@
 #                                    the thresholds' planted-bug checks, and vLLM's parse of the INT4 config
 #   device_run.sh join [DIR]         join wheels staged in parts (install does it)
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
+#   device_run.sh ckpt8b             build the 8B-shaped checkpoint at /tmp/ckpt-8b in the background
+#                                    (it outlives the call; /tmp/ckpt-8b.done when finished)
 # Results go to $OUT (evidence JSON, logs, benchmark JSON).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site VLLM_WORKER_MULTIPROC_METHOD=spawn
+if [ -d /tmp/nocudnn ]; then export PYTHONPATH=/tmp/nocudnn:/tmp/site SPECCOMPAT_NO_CUDNN=1; fi
 export SPECCOMPAT_ENV_FILE=/tmp/speccompat-env.json
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 case "${1:-}" in
@@ -32,6 +35,15 @@ case "${1:-}" in
       s=$(basename "$w" | cut -d- -f2)
       python3 -m pip install -q --no-index --no-deps --target "/tmp/spec-$s" "$w"
     done
+    # Without cuDNN staged, the image's cuDNN (9.19) is older than the one torch >= 2.13 was built
+    # against: engines run with cuDNN off (it only serves a vision tower's patch convolution, which
+    # text-only prompts reach in vLLM's profiling run alone). sitecustomize reads SPECCOMPAT_NO_CUDNN.
+    if [ -f /tmp/stage/BIG_MANIFEST ] && ! grep -q nvidia_cudnn /tmp/stage/BIG_MANIFEST; then
+      mkdir -p /tmp/nocudnn
+      printf 'import os\nif os.environ.get("SPECCOMPAT_NO_CUDNN") == "1":\n    import torch\n    torch.backends.cudnn.enabled = False\n' \
+        > /tmp/nocudnn/sitecustomize.py
+      echo "cuDNN not staged: engines run with torch.backends.cudnn.enabled = False"
+    fi
     V=$(python3 -c "import importlib.metadata as m; print(m.version('vllm'))")
     printf '{"vllm": "%s", "vllm_dist": "vllm", "speculators": {"0.3.0": "/tmp/spec-0.3.0", "0.4.0.1": "/tmp/spec-0.4.0.1"}, "python": "%s"}\n' \
       "$V" "$(command -v python3)" > /tmp/speccompat-env.json
@@ -69,8 +81,19 @@ case "${1:-}" in
       TEST_SELECT="${TEST_SELECT:-kimi_k25 or int4 or planted}" OUT_NAME=kimi \
       exec bash "$0" test "$RUNNER" "$TP"
     ;;
-  bench)
-    PYTHONPATH="/tmp/site:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu${BENCH_NAME:+-$BENCH_NAME}.json" ${BENCH_ARGS:-}
+  ckpt8b)
+    setsid nohup python3 -c "
+from speccompat.testing.models import make_checkpoint
+make_checkpoint('llama', '/tmp/ckpt-8b', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8)
+open('/tmp/ckpt-8b.done', 'w').close()" > /tmp/ckpt-8b.log 2>&1 < /dev/null &
+    echo "building /tmp/ckpt-8b in the background (log /tmp/ckpt-8b.log)"
     ;;
-  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | join [DIR] | bench"; exit 2 ;;
+  bench)
+    if [ -n "${WAIT_CKPT:-}" ]; then
+      while [ ! -f /tmp/ckpt-8b.done ]; do sleep 2; done; tail -2 /tmp/ckpt-8b.log
+    fi
+    PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu${BENCH_NAME:+-$BENCH_NAME}.json" ${BENCH_ARGS:-}
+    ;;
+  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | join [DIR] | ckpt8b | bench"; exit 2 ;;
 esac

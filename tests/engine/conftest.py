@@ -159,11 +159,16 @@ def record_cell():
 
     def record(**cell):
         EVIDENCE.append(cell)
+        write_evidence()  # after every cell: a run stopped at a time limit keeps what it showed
 
     return record
 
 
 def pytest_sessionfinish(session, exitstatus):
+    write_evidence()
+
+
+def write_evidence() -> None:
     out = os.environ.get("SPECCOMPAT_EVIDENCE_OUT")
     if not out or not EVIDENCE or ENGINE_ENV is None:
         return
@@ -187,4 +192,6 @@ def pytest_sessionfinish(session, exitstatus):
         "cells": EVIDENCE,
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(doc, indent=2) + "\n")
+    tmp = Path(f"{out}.partial")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(out)
