@@ -91,9 +91,6 @@ def run_mode(args: argparse.Namespace) -> dict:
         extract = native_extractor(args)
     elif args.mode in ("driver", "driver-disk"):
         extract = driver_extractor(args)
-    dp = (args.dp_size or 1) > 1 and args.barrier is not None  # one engine of a driver-dp run
-    if dp:  # this engine's share of each workload
-        workloads = [{**w, "seqs": w["seqs"][args.dp_rank :: args.dp_size]} for w in workloads]
     else:
         if args.mode == "original":
             os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
@@ -112,6 +109,9 @@ def run_mode(args: argparse.Namespace) -> dict:
             assert len(res) == len(batch)
             extract.stats = getattr(gen, "_speccompat_stats", None)  # phases of the last call
 
+    dp = (args.dp_size or 1) > 1 and args.barrier is not None  # one engine of a driver-dp run
+    if dp:  # this engine's share of each workload
+        workloads = [{**w, "seqs": w["seqs"][args.dp_rank :: args.dp_size]} for w in workloads]
     startup = time.perf_counter() - t0
     pss = PssSampler()
     # Warm-up, not timed: one pass over the first workload (steady state: engine caches warm, the
