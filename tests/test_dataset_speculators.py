@@ -4,17 +4,11 @@ results (no engine). Each version runs in its own process (one speculators per i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from conftest import ENGINE_ENV
-
-REPO = Path(__file__).resolve().parents[1]
+from speculators_child import REPO, needs_speculators, run_child, run_with_speculators
 
 CHILD = textwrap.dedent('''
     import json, sys
@@ -58,17 +52,10 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(ENGINE_ENV is None, reason="needs the speculators copies of a scripts/mkenv.py environment")
+@needs_speculators
 @pytest.mark.parametrize("version", ["0.3.0", "0.4.0.1"])
 def test_speculators_loader_reads_the_speculators_layout(tmp_path, version):
-    path = ENGINE_ENV["speculators"].get(version)
-    if path is None:
-        pytest.skip(f"speculators {version} is not in this environment")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, str(REPO)])}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(REPO / "tests"), version],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_with_speculators(CHILD, tmp_path, version)
     assert out["checked"] == 7
     pt = sorted(f for f in out["files"] if f.endswith(".pt"))
     assert pt == sorted(f"data_{i}.pt" for i in range(7))
@@ -83,7 +70,7 @@ def test_speculators_loader_reads_the_speculators_layout(tmp_path, version):
     assert sum(out["freq"].values()) > 0
 
 
-@pytest.mark.skipif(ENGINE_ENV is None, reason="needs the speculators copies of a scripts/mkenv.py environment")
+@needs_speculators
 def test_speculators_generator_refuses_a_colliding_default_before_any_engine(tmp_path):
     """Under apply(), speculators' own VllmHiddenStatesGenerator(model) for a 6-layer model fails in
     its __init__ (speccompat's generator.__init__ patch), naming [2, 3, 3, 5], with no engine."""
@@ -102,9 +89,7 @@ def test_speculators_generator_refuses_a_colliding_default_before_any_engine(tmp
         except ValueError as exc:
             print("REFUSED", round(time.monotonic() - t, 2), exc)
     ''')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ENGINE_ENV["speculators"]["0.4.0.1"], str(REPO)])}
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(REPO / "tests")], capture_output=True,
-                          text=True, env=env, timeout=300)
+    proc = run_child(code, [str(tmp_path), str(REPO / "tests")], ENGINE_ENV["speculators"]["0.4.0.1"])
     line = next((x for x in proc.stdout.splitlines() if x.startswith("REFUSED")), None)
     assert line is not None, proc.stdout + proc.stderr[-3000:]
     assert "[2, 3, 3, 5]" in line and float(line.split()[1]) < 1.0, line

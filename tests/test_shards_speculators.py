@@ -4,17 +4,9 @@ sample_lengths.json, the token-frequency file), with fake results (no engine).""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
-from conftest import ENGINE_ENV
-
-REPO = Path(__file__).resolve().parent.parent
+from speculators_child import needs_speculators, run_with_speculators
 
 CHILD = textwrap.dedent('''
     import json, sys
@@ -43,17 +35,9 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.skipif(ENGINE_ENV is None, reason="needs the speculators copies of a scripts/mkenv.py environment")
+@needs_speculators
 def test_sharded_speculators_layout_matches_one_run_side_files_included(tmp_path):
-    version = "0.4.0.1"
-    path = ENGINE_ENV["speculators"].get(version)
-    if path is None:
-        pytest.skip(f"speculators {version} is not in this environment")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, str(REPO)])}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(REPO / "tests"), version],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_with_speculators(CHILD, tmp_path, "0.4.0.1")
     assert out["code"] == 0
     single, sharded = out["single"], out["sharded"]
     assert {"data_config.json", "sample_lengths.json", "manifest.jsonl"} <= set(single)

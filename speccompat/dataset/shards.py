@@ -44,12 +44,11 @@ from typing import Any
 from . import provenance as prov_mod
 from .checksum import default_algorithm, digest_fn
 from .errors import Rejected
-from .formats import DTYPES, layout_named
+from .formats import layout_named
 from .fsutil import (
     LOCK_NAME,
     TMP_SUFFIX,
     check_output_dir,
-    free_bytes,
     fsync_dir,
     human,
     lock_output_dir,
@@ -217,10 +216,6 @@ def _shared_header(out_dir: Path, header: dict[str, Any]) -> dict[str, Any]:
     raise Rejected(f"{path} is not a data-set header; remove it if no shard is running")
 
 
-def _expected_bytes(sample: Sample, n_layers: int, hidden: int, per: int) -> int:
-    return n_layers * sample.num_tokens * hidden * per + 16 * sample.num_tokens + 4096
-
-
 def _stored_entries(out_dir: Path, own: str | None) -> tuple[list[Manifest], dict[str, list[dict[str, Any]]]]:
     """Every manifest (``manifest.jsonl`` first, then the parts; ``own`` excluded) and id -> entries."""
     manifests = []
@@ -242,7 +237,7 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
     """:func:`speccompat.dataset.store.open_dataset` for shard ``shard.index`` of ``shard.num_shards``:
     ``samples`` is the whole input (the same in every shard); the result's ``todo`` holds this
     shard's samples that no shard has finished, and its manifest is this shard's part."""
-    from .store import OpenDataset, check_file
+    from .store import OpenDataset, _resume, check_file
 
     if overwrite:
         raise Rejected("--overwrite cannot be combined with shards: a shard can start anew only its own part. "
@@ -334,46 +329,21 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
         logger.info("removed %d temporary file(s) left by an interrupted run of this shard", len(leftovers))
 
     # resume: every file this shard would skip is checked against an entry of any part
-    t0 = time.monotonic()
     candidates = [s for s in mine if s.id in by_id]
 
-    def check(s: Sample) -> tuple[str | None, dict[str, Any] | None]:
+    def check(s: Sample) -> str | None:
         why = None
         for e in by_id[s.id]:
             if e["file"] != files[s.id]:
                 continue
             why = check_file(out_dir / e["file"], e, layout, digest)
             if why is None:
-                return None, e
-        return why or "missing", None
+                return None
+        return why or "missing"
 
-    with ThreadPoolExecutor(max(1, check_threads)) as pool:
-        results = list(pool.map(check, candidates))
-    done_ids: set[str] = set()
-    for s, (why, _entry) in zip(candidates, results, strict=True):
-        if why is None:
-            done_ids.add(s.id)
-            continue
-        own.entries.pop(files[s.id], None)
-        if why != "missing":
-            logger.warning("%s (id %r, line %d): %s; it will be redone", files[s.id], s.id, s.line, why)
-            (out_dir / files[s.id]).unlink(missing_ok=True)
-    if candidates:
-        logger.info("checked %d finished file(s) of this shard against the manifests in %.1f s: %d intact, "
-                    "%d to redo", len(candidates), time.monotonic() - t0, len(done_ids), len(candidates) - len(done_ids))
-    mine_ids = {s.id for s in mine}
-    for f, e in list(own.entries.items()):
-        if (e["id"] not in mine_ids or e["id"] not in done_ids) and not (out_dir / f).exists():
-            del own.entries[f]
-    try:
-        own.rewrite()
-    except OSError as exc:
-        raise Rejected(f"cannot write {own.path}: {exc.strerror}") from None
-
-    todo = [s for s in mine if s.id not in done_ids]
-    per = DTYPES[dtype][0]
-    need = sum(_expected_bytes(s, len(layer_ids), hidden, per) for s in todo)
-    free = free_bytes(out_dir)
+    done_ids, todo, need, free = _resume(out_dir, own, mine, candidates, files, check,
+                                         checked="of this shard against the manifests", check_threads=check_threads,
+                                         layer_ids=layer_ids, hidden=hidden, dtype=dtype)
     logger.info("shard %d of %d: %d of the input's %d samples; %d already done (by any shard); %d to extract "
                 "(layers %s, hidden %d, %s, %s layout); %s still to write, free in %s: %s", K, N, len(mine),
                 len(samples), len(done_ids), len(todo), layer_ids, hidden, dtype, layout.name, human(need), out_dir,

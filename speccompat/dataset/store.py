@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,50 @@ def _expected_bytes(sample: Sample, n_layers: int, hidden: int, per: int) -> int
     return n_layers * sample.num_tokens * hidden * per + 16 * sample.num_tokens + 4096
 
 
+def _resume(out_dir: Path, manifest: Manifest, samples: list[Sample], candidates: list[Sample],
+            files: dict[str, str], check: Callable[[Sample], str | None], *, checked: str, check_threads: int,
+            layer_ids: list[int], hidden: int, dtype: str, keep_ids: frozenset[str] | set[str] = frozenset()
+            ) -> tuple[set[str], list[Sample], int, int]:
+    """The resume plan, once the run knows which stored entries are its own.
+
+    ``check`` (None: intact, else why not) runs on every sample of ``candidates`` (those with a stored
+    entry, whose file is ``files[id]``); a failed one's entry is dropped from ``manifest`` and its file
+    removed (unless it is missing), so the sample is redone. Entries whose file is gone are dropped
+    too, except those of the ids done and of ``keep_ids``; then ``manifest`` is rewritten
+    (:class:`Rejected` when it cannot be). ``checked`` says in the log what the files were checked against.
+
+    Returns (ids done, the samples of ``samples`` still to extract, their expected bytes, free bytes
+    in ``out_dir``).
+    """
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(max(1, check_threads)) as pool:
+        results = list(pool.map(check, candidates))
+    done_ids: set[str] = set()
+    for s, why in zip(candidates, results, strict=True):
+        if why is None:
+            done_ids.add(s.id)
+            continue
+        manifest.entries.pop(files[s.id], None)
+        if why != "missing":
+            logger.warning("%s (id %r, line %d): %s; it will be redone", files[s.id], s.id, s.line, why)
+            (out_dir / files[s.id]).unlink(missing_ok=True)
+    if candidates:
+        logger.info("checked %d finished file(s) %s in %.1f s: %d intact, %d to redo", len(candidates), checked,
+                    time.monotonic() - t0, len(done_ids), len(candidates) - len(done_ids))
+    for f, e in list(manifest.entries.items()):
+        if e["id"] not in done_ids and e["id"] not in keep_ids and not (out_dir / f).exists():
+            del manifest.entries[f]
+    try:
+        manifest.rewrite()
+    except OSError as exc:
+        raise Rejected(f"cannot write {manifest.path}: {exc.strerror}") from None
+
+    todo = [s for s in samples if s.id not in done_ids]
+    per = DTYPES[dtype][0]
+    need = sum(_expected_bytes(s, len(layer_ids), hidden, per) for s in todo)
+    return done_ids, todo, need, free_bytes(out_dir)
+
+
 def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], *, overwrite: bool = False,
                  check_threads: int = 4, speculators_version: str | None = None) -> OpenDataset:
     """Everything before the engine: raises :class:`Rejected` for any reason not to start."""
@@ -198,35 +243,14 @@ def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any
         taken.add(name)
 
     # resume: every file the run would skip is checked against its entry (sizes, shapes, checksums)
-    t0 = time.monotonic()
+    # (entries of samples not in this input, e.g. an earlier --limit, stay while their file does)
     candidates = [s for s in samples if s.id in by_id and not overwrite]
-    with ThreadPoolExecutor(max(1, check_threads)) as pool:
-        results = list(pool.map(lambda s: check_file(out_dir / files[s.id], by_id[s.id], layout, digest), candidates))
-    bad = {s.id: why for s, why in zip(candidates, results, strict=True) if why is not None}
-    for s in candidates:
-        if s.id in bad:
-            entry = manifest.entries.pop(files[s.id])
-            if bad[s.id] != "missing":
-                logger.warning("%s (id %r, line %d): %s; it will be redone", entry["file"], s.id, s.line, bad[s.id])
-                (out_dir / entry["file"]).unlink(missing_ok=True)
-    done_ids = {s.id for s in candidates if s.id not in bad}
-    if candidates:
-        logger.info("checked %d finished file(s) against the manifest in %.1f s: %d intact, %d to redo",
-                    len(candidates), time.monotonic() - t0, len(done_ids), len(bad))
-    # entries of samples not in this input (e.g. an earlier --limit) stay while their file does
-    for f, e in list(manifest.entries.items()):
-        if e["id"] not in ids and not (out_dir / f).exists():
-            del manifest.entries[f]
-    try:
-        manifest.rewrite()
-    except OSError as exc:
-        raise Rejected(f"cannot write {manifest.path}: {exc.strerror}") from None
-
-    todo = [s for s in samples if s.id not in done_ids]
-    per = DTYPES[dtype][0]
-    need = sum(_expected_bytes(s, len(layer_ids), hidden, per) for s in todo)
-    total = sum(_expected_bytes(s, len(layer_ids), hidden, per) for s in samples)
-    free = free_bytes(out_dir)
+    done_ids, todo, need, free = _resume(
+        out_dir, manifest, samples, candidates, files,
+        lambda s: check_file(out_dir / files[s.id], by_id[s.id], layout, digest),
+        checked="against the manifest", check_threads=check_threads, layer_ids=layer_ids, hidden=hidden,
+        dtype=dtype, keep_ids=ids)
+    total = sum(_expected_bytes(s, len(layer_ids), hidden, DTYPES[dtype][0]) for s in samples)
     logger.info("%d of %d samples already done; %d to extract (layers %s, hidden %d, %s, %s layout)",
                 len(done_ids), len(samples), len(todo), layer_ids, hidden, dtype, layout.name)
     logger.info("expected size: %s for all %d samples, %s still to write; free in %s: %s", human(total),
