@@ -1,6 +1,10 @@
 """The example pipeline (examples/kimi_k25) end to end on the real CPU engine, with the tiny
-DeepseekV3 checkpoint (Kimi-K2.5's text architecture, with a tokenizer that is remote code as
-Kimi-K2.5's): prepare_data.py, then extract_hidden_states.py as a subprocess.
+Kimi-K2.5 checkpoint (``KimiK25ForConditionalGeneration``: a vision tower around the DeepseekV3
+language model; text-only prompts), its tokenizer made remote code as Kimi-K2.5's: prepare_data.py,
+then extract_hidden_states.py as a subprocess.
+
+The word range and the vocabulary size come from the checkpoint itself: Kimi's special and media
+tokens sit above the 512 words, inside the vocabulary, and a text prompt must not contain them.
 
 Six engine start-ups in all: the shared run (mixed input, bad lines skipped, hostile ids, files
 checked against transformers, then every refusal that must come before an engine: bad lines, a
@@ -26,31 +30,34 @@ from conftest import ENGINE_ENV
 
 from speccompat.testing.parity import measure, violations
 
-from .conftest import MLA_CPU_REASON, mla_runs_here
+from .conftest import MLA_CPU_REASON, mla_runs_here, skip_unless_model_runs
 
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.skipif(ENGINE_ENV is not None and not mla_runs_here(),
-                       reason="the tiny Kimi model is a DeepseekV3: " + MLA_CPU_REASON),
+                       reason="the tiny Kimi model's language model is a DeepseekV3: " + MLA_CPU_REASON),
 ]
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "kimi_k25"
-#: The example's stand-in model kind (one constant: a Kimi-K2.5 kind can replace it).
-STAND_IN = "deepseek_v3"
+#: The example's stand-in model: Kimi-K2.5's own architecture (KimiK25ForConditionalGeneration), tiny.
+STAND_IN = "kimi_k25"
 LAYER_IDS = [1, 2, 4, 5]  # includes the last layer of the 6-layer tiny model
 HIDDEN = 256
 MAX_SEQ_LEN = 256
 TIMEOUT = 900
-#: The tiny DeepseekV3 with all 8 routed experts active for every token: no token can switch
-#: experts on bf16 noise (see test_parity), so the driver's files compare tightly with transformers.
-NO_FLIPS = {"num_experts_per_tok": 8}
+#: Checkpoint overrides (none: the tiny MoE checkpoints route by a checked margin, so no token
+#: switches experts on bf16 noise and the driver's files compare tightly with transformers; the
+#: same checkpoint as test_parity's kimi_k25).
+NO_FLIPS: dict = {}
 EPOCH = "1700000000"  # SOURCE_DATE_EPOCH: the provenance's date, so that runs compare byte for byte
 
 
 def _env(speculators: str = "0.4.0.1") -> dict[str, str]:
-    return {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": ENGINE_ENV["speculators"][speculators],
-            "SOURCE_DATE_EPOCH": EPOCH}
+    """The scripts' environment: speculators unpacked on PYTHONPATH, before what the caller has there
+    (e.g. the checkout whose speccompat is tested)."""
+    path = os.pathsep.join(p for p in (ENGINE_ENV["speculators"][speculators], os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": path, "SOURCE_DATE_EPOCH": EPOCH}
 
 
 def driver_args(model: Path, data: Path, out: Path, *extra: str, layers: bool = True) -> list[str]:
@@ -78,16 +85,21 @@ def verify(out: Path) -> subprocess.CompletedProcess:
 
 
 #: Kimi-K2.5's tokenizer is code shipped with the model (``TikTokenTokenizer``, no tokenizer.json);
-#: this slow tokenizer plays that part for the tiny checkpoint (same vocabulary as its fast one).
+#: this slow tokenizer plays that part for the tiny checkpoint. It reads the vocabulary the
+#: checkpoint ships (``vocab.json``, written from its tokenizer.json: the words and the special and
+#: media tokens above them); the added tokens are restored from tokenizer_config.json.
 REMOTE_TOKENIZER = '''
+import json
+
 from transformers import PreTrainedTokenizer
 
 
 class RemoteTokenizer(PreTrainedTokenizer):
-    vocab_files_names = {}
+    vocab_files_names = {"vocab_file": "vocab.json"}
 
-    def __init__(self, **kwargs):
-        self.vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{f"w{i}": i for i in range(4, 512)}}
+    def __init__(self, vocab_file, **kwargs):
+        with open(vocab_file) as f:
+            self.vocab = json.load(f)
         self.words = {i: w for w, i in self.vocab.items()}
         super().__init__(**kwargs)
 
@@ -102,7 +114,7 @@ class RemoteTokenizer(PreTrainedTokenizer):
         return text.split()
 
     def _convert_token_to_id(self, token):
-        return self.vocab.get(token, 3)
+        return self.vocab.get(token, self.vocab["<unk>"])
 
     def _convert_id_to_token(self, index):
         return self.words.get(index, "<unk>")
@@ -112,21 +124,54 @@ class RemoteTokenizer(PreTrainedTokenizer):
 '''
 
 
+_ADDED_TOKEN_FIELDS = ("content", "lstrip", "rstrip", "normalized", "single_word", "special")
+#: Plain words, a special token and media tokens (with and without spaces): both tokenizers must agree.
+_PROBE = "w5 w6 </s> w7<|media_begin|> <|media_pad|>w8 <|media_end|> w511"
+
+
 def with_remote_code_tokenizer(ckpt: Path, dst: Path) -> Path:
-    """A copy of ``ckpt`` whose tokenizer loads only with ``trust_remote_code``, like Kimi-K2.5's."""
+    """A copy of ``ckpt`` whose tokenizer loads only with ``trust_remote_code``, like Kimi-K2.5's,
+    with the vocabulary, added tokens and chat template of the tokenizer ``ckpt`` ships."""
+    from transformers import AutoTokenizer
+
     shutil.copytree(ckpt, dst)
+    doc = json.loads((dst / "tokenizer.json").read_text())
     (dst / "tokenizer.json").unlink()
+    added = doc.get("added_tokens", [])
+    vocab = {**doc["model"]["vocab"], **{a["content"]: a["id"] for a in added}}
+    (dst / "vocab.json").write_text(json.dumps(vocab, indent=0))
     (dst / "tokenization_remote.py").write_text(REMOTE_TOKENIZER)
     cfg = json.loads((dst / "tokenizer_config.json").read_text())
     cfg.pop("backend", None)
     cfg["tokenizer_class"] = "RemoteTokenizer"
     cfg["auto_map"] = {"AutoTokenizer": ["tokenization_remote.RemoteTokenizer", None]}
+    cfg["added_tokens_decoder"] = {str(a["id"]): {k: a[k] for k in _ADDED_TOKEN_FIELDS} for a in added}
     (dst / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    shipped, remote = AutoTokenizer.from_pretrained(ckpt), AutoTokenizer.from_pretrained(dst, trust_remote_code=True)
+    assert type(remote).__name__ == "RemoteTokenizer" and remote.get_vocab() == shipped.get_vocab()
+    assert remote.encode(_PROBE) == shipped.encode(_PROBE), (remote.encode(_PROBE), shipped.encode(_PROBE))
+    assert remote.apply_chat_template(CHAT["messages"], tokenize=False) == \
+        shipped.apply_chat_template(CHAT["messages"], tokenize=False)
     return dst
 
 
-def random_ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(4, 512) for _ in range(n)]
+def checkpoint_vocab(model: Path) -> tuple[int, list[int]]:
+    """The model's vocabulary size (its text config's: the engine's embedding rows, what the driver
+    checks token ids against) and the ids of its plain words: the tokens of the tokenizer it ships
+    that are neither special nor added (Kimi's special and media tokens, above the words)."""
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((model / "config.json").read_text())
+    size = int(cfg.get("text_config", cfg)["vocab_size"])
+    tok = AutoTokenizer.from_pretrained(model)
+    reserved = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+    words = sorted(i for i in tok.get_vocab().values() if i not in reserved)
+    assert words and len(tok) <= size and max(words) < size, (len(tok), size)
+    return size, words
+
+
+def random_ids(rng: random.Random, n: int, words: list[int]) -> list[int]:
+    return [rng.choice(words) for _ in range(n)]
 
 
 def write_jsonl(path: Path, lines: list[str]) -> Path:
@@ -168,10 +213,12 @@ HOSTILE = ["a/b", "a_b-3ec69c85a4", "a_b", "..", "A", "a", "x" * 300, "日本", 
 
 
 class SharedRun:
-    """The driver on a mixed input (``--on-bad-line skip``); its outcome is checked by the tests below."""
+    """The driver on a mixed input (``--on-bad-line skip``); its outcome is checked by the tests below.
+    Token ids are the checkpoint's plain words; ``vocab_size`` is the first id outside its vocabulary."""
 
-    def __init__(self, root: Path, model: Path) -> None:
+    def __init__(self, root: Path, model: Path, vocab_size: int, words: list[int]) -> None:
         self.root, self.model, self.out = root, model, root / "out"
+        self.vocab_size, self.words = vocab_size, words
         rng = random.Random(5)
         self.prepared = self._prepare(root)
         chat = json.loads(self.prepared.read_text().splitlines()[0])
@@ -189,26 +236,27 @@ class SharedRun:
             self.bad[len(lines)] = phrase
 
         good(chat["id"], chat["input_ids"], chat["loss_mask"])
-        good("r-40", random_ids(rng, 40))
-        good("r-255", random_ids(rng, 255), [0] * 100 + [1] * 155)
-        good("r-256", random_ids(rng, MAX_SEQ_LEN))  # exactly --max-seq-len: kept whole
-        good("r-120", random_ids(rng, 120))
-        good("r-200", random_ids(rng, 200))
+        good("r-40", random_ids(rng, 40, words))
+        good("r-255", random_ids(rng, 255, words), [0] * 100 + [1] * 155)
+        good("r-256", random_ids(rng, MAX_SEQ_LEN, words))  # exactly --max-seq-len: kept whole
+        good("r-120", random_ids(rng, 120, words))
+        good("r-200", random_ids(rng, 200, words))
         bad('{"id": "broken", "input_ids": [5, 6', "bad JSON")
         bad(json.dumps({"id": "str-token", "input_ids": [5, "6"]}), "is not an integer")
         bad('{"id": "huge", "input_ids": [5, ' + "7" * 5000 + "]}", "4300 digits")
         bad(json.dumps({"id": "float", "input_ids": [5, 6.0]}), "6.0 is not an integer")
         bad(json.dumps({"id": "bool", "input_ids": [5, True]}), "True is not an integer")
         bad(json.dumps({"id": "empty", "input_ids": []}), "is empty")
-        bad(json.dumps({"id": "oov", "input_ids": [5, 512]}), "outside the vocabulary")
+        bad(json.dumps({"id": "oov", "input_ids": [5, vocab_size]}), "outside the vocabulary")
+        bad(json.dumps({"id": "oov-far", "input_ids": [vocab_size + 4096, 5]}), "outside the vocabulary")
         bad(json.dumps({"id": "r-40", "input_ids": [5, 6]}), "duplicate id 'r-40'")
         bad(json.dumps({"id": "mask", "input_ids": [5, 6], "loss_mask": [1, 0.0]}), "is not the integer 0 or 1")
         lines.append("")  # blank lines are ignored
-        ids = random_ids(rng, 300)
+        ids = random_ids(rng, 300, words)
         good("dir/long sample", ids, [1] * 300)  # truncated to 256
         self.long_line = len(lines)
         for k, hid in enumerate(HOSTILE):
-            good(hid, random_ids(rng, 30 + k))
+            good(hid, random_ids(rng, 30 + k, words))
         self.data = write_jsonl(root / "data.jsonl", lines)
         self.proc = run_driver(model, self.data, self.out, "--on-bad-line", "skip")
 
@@ -229,8 +277,10 @@ class SharedRun:
 @pytest.fixture(scope="module")
 def shared(engines, tmp_path_factory) -> SharedRun:
     root = tmp_path_factory.mktemp("kimi-shared")
-    model = with_remote_code_tokenizer(engines.checkpoint(STAND_IN, **NO_FLIPS), root / "model")
-    return SharedRun(root, model)
+    skip_unless_model_runs(STAND_IN)
+    ckpt = engines.checkpoint(STAND_IN, **NO_FLIPS)
+    model = with_remote_code_tokenizer(ckpt, root / "model")
+    return SharedRun(root, model, *checkpoint_vocab(ckpt))
 
 
 def test_prepare_data_masks_assistant_tokens(shared):
@@ -290,7 +340,8 @@ def test_refusals_come_before_any_engine_and_touch_nothing(shared, tmp_path):
     other = tmp_path / "other-model"
     shutil.copytree(shared.model, other)
     cfg = json.loads((other / "config.json").read_text())
-    cfg["rope_theta"] = cfg.get("rope_theta", 10000.0) * 2
+    text = cfg.get("text_config", cfg)  # the language model's (Kimi-K2.5: text_config)
+    text["rope_theta"] = text.get("rope_theta", 10000.0) * 2
     (other / "config.json").write_text(json.dumps(cfg))
     proc = run_driver(other, shared.data, shared.out, "--on-bad-line", "skip")
     assert proc.returncode == 2 and "model.config_sha256" in proc.stderr, proc.stderr[-3000:]
