@@ -285,21 +285,19 @@ def test_output_dir_problems_are_rejected_with_a_message(tmp_path, kind):
 
 
 class FullDisk(FileOps):
-    """The disk fills after ``left`` bytes."""
+    """The disk fills after ``left`` bytes. A file's space is taken whole when the writer reserves
+    it (as ``posix_fallocate`` does), so files written side by side cannot all end half-written:
+    the files that got their space are complete, the first that does not fit fails with ENOSPC."""
 
     def __init__(self, left: int) -> None:
         self.left = left
         self.lock = threading.Lock()
 
     def reserve(self, fd, size):
-        pass
-
-    def write(self, fd, buf):
         with self.lock:
-            if self.left < len(buf):
+            if self.left < size:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            self.left -= len(buf)
-        return os.write(fd, buf)
+            self.left -= size
 
 
 @needs_torch
