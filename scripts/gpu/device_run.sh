@@ -84,7 +84,7 @@ case "${1:-}" in
   ckpt8b)
     setsid nohup python3 -c "
 from speccompat.testing.models import make_checkpoint
-make_checkpoint('llama', '/tmp/ckpt-8b', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+make_checkpoint('llama', '/tmp/ckpt-8b', device='cuda', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8)
 open('/tmp/ckpt-8b.done', 'w').close()" > /tmp/ckpt-8b.log 2>&1 < /dev/null &
     echo "building /tmp/ckpt-8b in the background (log /tmp/ckpt-8b.log)"
