@@ -19,7 +19,7 @@ case "${1:-}" in
   install)
     # Wheels staged in parts (torch and what it needs, when vLLM pins a newer torch than the image's):
     # join and check them; device.sh then installs them with the rest.
-    if [ -f /tmp/stage/BIG_MANIFEST ]; then
+    if [ -s /tmp/stage/BIG_MANIFEST ]; then
       bash "$0" join /tmp/stage
       # The image's torchvision/torchaudio are built for its own torch and break transformers under
       # the staged one ("operator torchvision::nms does not exist"): move them out of its site-packages
@@ -38,7 +38,7 @@ case "${1:-}" in
     # Without cuDNN staged, the image's cuDNN (9.19) is older than the one torch >= 2.13 was built
     # against: engines run with cuDNN off (it only serves a vision tower's patch convolution, which
     # text-only prompts reach in vLLM's profiling run alone). sitecustomize reads SPECCOMPAT_NO_CUDNN.
-    if [ -f /tmp/stage/BIG_MANIFEST ] && ! grep -q nvidia_cudnn /tmp/stage/BIG_MANIFEST; then
+    if [ -s /tmp/stage/BIG_MANIFEST ] && ! grep -q nvidia_cudnn /tmp/stage/BIG_MANIFEST; then
       mkdir -p /tmp/nocudnn
       printf 'import os\nif os.environ.get("SPECCOMPAT_NO_CUDNN") == "1":\n    import torch\n    torch.backends.cudnn.enabled = False\n' \
         > /tmp/nocudnn/sitecustomize.py
