@@ -6,7 +6,7 @@
 #                                    the thresholds' planted-bug checks, and vLLM's parse of the INT4 config
 #   device_run.sh join [DIR]         join wheels staged in parts (install does it)
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
-#   device_run.sh ckpt8b             build the 8B-shaped checkpoint at /tmp/ckpt-8b in the background
+#   device_run.sh ckpt8b             build the 8B-shaped checkpoint at $CKPT (/tmp/ckpt-8b) in the background
 #                                    (it outlives the call; /tmp/ckpt-8b.done when finished)
 # Results go to $OUT (evidence JSON, logs, benchmark JSON).
 set -euo pipefail
@@ -84,10 +84,10 @@ case "${1:-}" in
   ckpt8b)
     setsid nohup python3 -c "
 from speccompat.testing.models import make_checkpoint
-make_checkpoint('llama', '/tmp/ckpt-8b', device='cuda', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+make_checkpoint('llama', '${CKPT:-/tmp/ckpt-8b}', device='cuda', hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8)
 open('/tmp/ckpt-8b.done', 'w').close()" > /tmp/ckpt-8b.log 2>&1 < /dev/null &
-    echo "building /tmp/ckpt-8b in the background (log /tmp/ckpt-8b.log)"
+    echo "building ${CKPT:-/tmp/ckpt-8b} in the background (log /tmp/ckpt-8b.log)"
     ;;
   bench)
     if [ -n "${WAIT_CKPT:-}" ]; then
