@@ -23,6 +23,12 @@ naming the request, instead of producing plausible but wrong training data. Mult
 the runner's own buffers instead; a step whose ids cannot be read at all is counted
 (``unverified_steps`` in the call's stats) and is an error in strict mode.
 
+Where the driver gives the call's request ids and prompt lengths (speccompat's ``generate`` does,
+through ``_reset_capture``), each step's states are copied to their place in the reply as the step
+ends: on a GPU on a side stream into the pinned staging file, overlapping the next steps' forward.
+The verification above still decides at the end; whatever it cannot confirm (a restarted request,
+a step outside the plan, non-finite values) is gathered again from the device.
+
 What differs between vLLM releases here (how the runner exposes the batch order, warm-up calls,
 M-RoPE positions, sequence-parallel shards, the multimodal wrapper, the scheduler output's
 fields) is asked of the adapter (:class:`speccompat.adapter.Adapter`, "worker side"), whose
