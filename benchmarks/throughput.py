@@ -186,9 +186,8 @@ def driver_extractor(args: argparse.Namespace):
     root) and returns when every file, its checksum and its manifest entry are durable."""
     import itertools
 
-    from speccompat.dataset import collect_provenance, open_dataset, read_model_info, scan_jsonl
-
     import speccompat
+    from speccompat.dataset import collect_provenance, open_dataset, read_model_info, scan_jsonl
 
     speccompat.apply()
     from speculators.data_generation import VllmHiddenStatesGenerator
