@@ -65,14 +65,20 @@ def _adapter() -> Any:
 _EXPONENT = {"bfloat16": 0x7F80, "float16": 0x7C00}
 
 
-def all_finite(t: Any) -> bool:
-    """``torch.isfinite(t).all()``, 3x faster for 16-bit floats (exponent bits, no float math)."""
+def any_nonfinite(t: Any) -> Any:
+    """``(~torch.isfinite(t)).any()`` as a tensor on ``t``'s device (no synchronisation), 3x faster
+    for 16-bit floats (exponent bits, no float math)."""
     import torch
 
     mask = _EXPONENT.get(str(t.dtype).removeprefix("torch."))
     if mask is None:
-        return bool(torch.isfinite(t).all())
-    return not bool(((t.view(torch.int16) & mask) == mask).any())
+        return (~torch.isfinite(t)).any()
+    return ((t.view(torch.int16) & mask) == mask).any()
+
+
+def all_finite(t: Any) -> bool:
+    """``torch.isfinite(t).all()``, 3x faster for 16-bit floats (see :func:`any_nonfinite`)."""
+    return not bool(any_nonfinite(t))
 
 
 @dataclass
@@ -85,7 +91,6 @@ class _Step:
     input_ids: Any = None
     padded_tokens: int = 0
     layers: dict[int, Any] = field(default_factory=dict)
-    placed: bool = False  # its rows were copied to their place in the reply as the step ended
 
 
 class _Plan:
@@ -164,7 +169,8 @@ class WorkerCapture:
         from .transport import Staging
 
         self.staging = Staging()  # reused for every reply of this worker (pinned when on a GPU)
-        self.plan: _Plan | None = None  # where each request's rows go in the reply (GPU, see _place)
+        self.plan: _Plan | None = None  # where each request's rows go in the reply (see _place)
+        self._side: Any = None  # the CUDA side stream of the per-step copies, made on first use
         self._attach()
 
     # ------------------------------------------------------------------------------- attachment
@@ -280,12 +286,13 @@ class WorkerCapture:
     def _side_stream(self, device: Any) -> Any:
         import torch
 
-        if getattr(self, "_side", None) is None:
+        if self._side is None:
             self._side = torch.cuda.Stream(device)
         return self._side
 
     def _place(self, step: _Step) -> None:
-        """Copy the step's rows of every layer to their place in the reply, on a side stream.
+        """Copy the step's rows of every layer to their place in the reply, on a side stream. Every
+        step of the call is placed for as long as ``plan.off`` is unset.
 
         The place of a request's chunk is its offset in the call plus the tokens of it placed so far:
         what the verification in :meth:`_collect` later checks against the positions the model ran.
@@ -332,7 +339,6 @@ class WorkerCapture:
                 t = step.layers[layer_id]
                 for s0, d0, n in runs:
                     buf[i, d0 : d0 + n].copy_(t[s0 : s0 + n])
-            step.placed = True
             return
         import torch
 
@@ -344,7 +350,6 @@ class WorkerCapture:
                 t.record_stream(side)  # the caching allocator must not reuse it before the copy ran
                 for s0, d0, n in runs:
                     buf[i, d0 : d0 + n].copy_(t[s0 : s0 + n], non_blocking=True)
-        step.placed = True
 
     # -------------------------------------------------------------------------------- assembly
     def collect(self, req_ids: list[str], busy: Any = ()) -> dict[str, Any] | None:
@@ -423,17 +428,15 @@ class WorkerCapture:
                 raise HiddenStatesError(f"request {rid}: captured {done.get(rid, 0)} of {want_len} prompt tokens")
             lengths.append(want_len)
         t_verified = time.perf_counter()
-        plan, placed = self.plan, sum(s.placed for s in self.steps)
-        if (plan is not None and plan.off is None and plan.buf is not None and restarts == 0
-                and placed == len(self.steps) and plan.req_ids == list(req_ids) and plan.lengths == lengths):
+        plan = self.plan
+        if plan is not None:
             plan.wait()  # the last steps' copies
-            if not self._any_nonfinite():
-                stats = self._stats(req_ids, chunks, restarts, unverified, t0, t_verified, placed)
+            if (plan.off is None and plan.buf is not None and restarts == 0 and plan.req_ids == list(req_ids)
+                    and plan.lengths == lengths and not self._any_nonfinite()):
+                stats = self._stats(req_ids, chunks, restarts, unverified, t0, t_verified, len(self.steps))
                 return {"req_ids": list(req_ids), "lengths": lengths, "layer_ids": list(self.layer_ids),
                         "states": plan.desc, "nonfinite": {}, "stats": stats}
-            # non-finite values: the gather below finds the first bad row for the report
-        if plan is not None:
-            plan.wait()
+            # otherwise gathered below (and non-finite values located there for the report)
             if plan.off:
                 logger.debug("states gathered at the end of the call: %s", plan.off)
         # Rows of all steps' tokens, in the order of req_ids and their chunks: one gather per layer,
@@ -485,11 +488,7 @@ class WorkerCapture:
         and one synchronisation."""
         import torch
 
-        flags = []
-        for step in self.steps:
-            for t in step.layers.values():
-                mask = _EXPONENT.get(str(t.dtype).removeprefix("torch."))
-                flags.append((((t.view(torch.int16) & mask) == mask) if mask else ~torch.isfinite(t)).any())
+        flags = [any_nonfinite(t) for step in self.steps for t in step.layers.values()]
         return bool(torch.stack(flags).any()) if flags else False
 
     @staticmethod
