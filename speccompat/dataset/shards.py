@@ -48,7 +48,6 @@ from .formats import layout_named
 from .fsutil import (
     LOCK_NAME,
     TMP_SUFFIX,
-    check_output_dir,
     fsync_dir,
     human,
     lock_output_dir,
@@ -237,17 +236,13 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
     """:func:`speccompat.dataset.store.open_dataset` for shard ``shard.index`` of ``shard.num_shards``:
     ``samples`` is the whole input (the same in every shard); the result's ``todo`` holds this
     shard's samples that no shard has finished, and its manifest is this shard's part."""
-    from .store import OpenDataset, _resume, check_file
+    from .store import OpenDataset, _resume, _run_facts, check_file
 
     if overwrite:
         raise Rejected("--overwrite cannot be combined with shards: a shard can start anew only its own part. "
                        "Delete the data set or use another --output-dir")
     out_dir = Path(out_dir)
-    hs = provenance["hidden_states"]
-    layer_ids, dtype = list(hs["layer_ids"]), hs["dtype"]
-    hidden = int(provenance["model"]["hidden_size"])
-    layout = layout_named(provenance["layout"], layer_ids)
-    check_output_dir(out_dir)
+    layer_ids, dtype, hidden, layout = _run_facts(out_dir, provenance)
     K, N = shard.index, shard.num_shards
     own_name = part_name(K, N)
     dir_lock = _lock(out_dir / LOCK_NAME, False, f"{out_dir} is held by an unsharded extraction or a "

@@ -151,15 +151,21 @@ def _resume(out_dir: Path, manifest: Manifest, samples: list[Sample], candidates
     return done_ids, todo, need, free_bytes(out_dir)
 
 
+def _run_facts(out_dir: Path, provenance: dict[str, Any]) -> tuple[list[int], str, int, Any]:
+    """``(layer ids, dtype, hidden size, layout)`` of a run from its provenance, once ``out_dir``
+    is known to be usable (:func:`check_output_dir`)."""
+    hs = provenance["hidden_states"]
+    layer_ids, dtype = list(hs["layer_ids"]), hs["dtype"]
+    layout = layout_named(provenance["layout"], layer_ids)
+    check_output_dir(out_dir)
+    return layer_ids, dtype, int(provenance["model"]["hidden_size"]), layout
+
+
 def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], *, overwrite: bool = False,
                  check_threads: int = 4, speculators_version: str | None = None) -> OpenDataset:
     """Everything before the engine: raises :class:`Rejected` for any reason not to start."""
     out_dir = Path(out_dir)
-    hs = provenance["hidden_states"]
-    layer_ids, dtype = list(hs["layer_ids"]), hs["dtype"]
-    hidden = int(provenance["model"]["hidden_size"])
-    layout = layout_named(provenance["layout"], layer_ids)
-    check_output_dir(out_dir)
+    layer_ids, dtype, hidden, layout = _run_facts(out_dir, provenance)
     lock = lock_output_dir(out_dir)
     from .shards import find_parts
 
