@@ -118,6 +118,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     # worker's staging buffer grown and pinned, as after the first batch of a long extraction).
     for batch in batches(workloads[0]):
         extract(batch)
+    clean_up(extract)
     if dp:
         barrier(Path(args.barrier), args.dp_rank, args.dp_size)
     # driver modes: the main workload once per --driver-batches size too ("main, batch=B")
@@ -136,6 +137,7 @@ def run_mode(args: argparse.Namespace) -> dict:
             results.append({"workload": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
             continue
         seconds = time.perf_counter() - t0
+        clean_up(extract)
         tokens = sum(map(len, seqs))
         results.append({"workload": name, "seconds": round(seconds, 3), "sequences": len(seqs),
                         "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
@@ -145,6 +147,12 @@ def run_mode(args: argparse.Namespace) -> dict:
                         **({"last_call": extract.stats} if getattr(extract, "stats", None) else {})})
     return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results,
             "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
+
+
+def clean_up(extract) -> None:
+    """Run what a mode left to undo after its timed part (the driver's data sets)."""
+    while getattr(extract, "cleanup", None):
+        extract.cleanup.pop()()
 
 
 def native_extractor(args: argparse.Namespace):
@@ -203,6 +211,7 @@ def driver_extractor(args: argparse.Namespace):
     counter = itertools.count()
 
     def extract(batch):
+        t0 = time.perf_counter()
         out = Path(tempfile.mkdtemp(prefix="ds-", dir=root))
         data = out.with_suffix(".jsonl")
         data.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": s}) + "\n" for i, s in enumerate(batch)))
@@ -210,18 +219,26 @@ def driver_extractor(args: argparse.Namespace):
         ds = open_dataset(out, scan.samples, prov)
         writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
         size = getattr(extract, "batch", None) or args.driver_batch
+        t1 = time.perf_counter()
         for first in range(0, len(ds.todo), size):
             part = ds.todo[first:first + size]
             # as examples/*/extract_hidden_states.py: views of the worker's staging file, written from there
             res = gen.generate([list(s.input_ids) for s in part], copy=False)
             writer.submit([ds.job(s, r["hidden_states"]) for s, r in zip(part, res, strict=True)])
+        t2 = time.perf_counter()
         stats = writer.close()
+        t3 = time.perf_counter()
+        # phases of this call: opening the data set, the engine calls (the writer busy behind them),
+        # and the tail: the last batch's files written after the engine's last step
         extract.stats = {**(getattr(gen, "_speccompat_stats", None) or {}), "files": stats.files,
-                         "bytes": stats.bytes, "engine_waited_s": round(stats.waited_s, 3), "call": next(counter)}
+                         "bytes": stats.bytes, "engine_waited_s": round(stats.waited_s, 3), "call": next(counter),
+                         "setup_s": round(t1 - t0, 4), "engine_calls_s": round(t2 - t1, 4),
+                         "tail_s": round(t3 - t2, 4)}
         assert stats.files == len(batch), (stats.files, len(batch))
-        shutil.rmtree(out, ignore_errors=True)  # the next call (and the page cache) starts clean
-        data.unlink()
+        # Removing the data set is not part of the job: done after the timed part (run_mode calls it)
+        extract.cleanup.append(lambda: (shutil.rmtree(out, ignore_errors=True), data.unlink()))
 
+    extract.cleanup = []
     return extract
 
 
@@ -400,6 +417,8 @@ def main() -> int:
     ap.add_argument("--writer-threads", type=int, default=4, help="driver modes: writer threads")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0, help="driver modes: in-flight budget")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
+    ap.add_argument("--long", type=int, default=0, metavar="N",
+                    help="also time a workload of N sequences of the same lengths (every mode)")
     ap.add_argument("--sweep", action="store_true", help="also measure scaling with batch size and length")
     ap.add_argument("--out", help="write the JSON result here too")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -423,6 +442,12 @@ def main() -> int:
         args.model_path = str(make_checkpoint(args.model, work / args.model, **overrides))
     main_seqs = sequences(args.sequences, args.min_len, args.max_len)
     workloads = [{"name": "main", "seqs": main_seqs, "per_call": args.sequences_per_call}]
+    if args.long:
+        # a longer job of the same kind, in calls of the main workload's size (no buffer grows past
+        # the warm-up's): the fixed costs at a run's start and end (the driver's last batch is
+        # written after the engine's last step) weigh less, as in a data set of 10^8 tokens
+        workloads.append({"name": f"long={args.long}", "seqs": sequences(args.long, args.min_len, args.max_len, seed=3),
+                          "per_call": args.sequences_per_call or args.sequences})
     if args.sweep:
         # sequences per generate() call, at fixed lengths; then sequence length, at fixed tokens
         base = sequences(128, 256, 256, seed=1)
