@@ -225,11 +225,14 @@ def driver_extractor(args: argparse.Namespace):
         writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
         size = getattr(extract, "batch", None) or args.driver_batch
         t1 = time.perf_counter()
+        each = []  # per generate() call: engine loop seconds, staging files the workers had to make
         for first in range(0, len(ds.todo), size):
             part = ds.todo[first:first + size]
             # as examples/*/extract_hidden_states.py: views of the worker's staging file, written from there
             res = gen.generate([list(s.input_ids) for s in part], copy=False)
             writer.submit([ds.job(s, r["hidden_states"]) for s, r in zip(part, res, strict=True)])
+            call = getattr(gen, "_speccompat_stats", None) or {}
+            each.append((call.get("loop_s"), call.get("staging_made")))
         t2 = time.perf_counter()
         stats = writer.close()
         t3 = time.perf_counter()
@@ -238,7 +241,8 @@ def driver_extractor(args: argparse.Namespace):
         extract.stats = {**(getattr(gen, "_speccompat_stats", None) or {}), "files": stats.files,
                          "bytes": stats.bytes, "engine_waited_s": round(stats.waited_s, 3), "call": next(counter),
                          "setup_s": round(t1 - t0, 4), "engine_calls_s": round(t2 - t1, 4),
-                         "tail_s": round(t3 - t2, 4)}
+                         "tail_s": round(t3 - t2, 4), "loop_s_each": [e[0] for e in each],
+                         "staging_made_each": [e[1] for e in each]}
         assert stats.files == len(batch), (stats.files, len(batch))
         # Removing the data set is not part of the job: done after the timed part (run_mode calls it)
         extract.cleanup.append(lambda: (shutil.rmtree(out, ignore_errors=True), data.unlink()))

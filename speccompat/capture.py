@@ -473,6 +473,7 @@ class WorkerCapture:
                t_verified: float, placed: int) -> dict[str, Any]:
         import time
 
+        made, made_s = self.staging.take_made()
         return {
             "steps": len(self.steps),
             "chunked": sum(1 for rid in req_ids if len(chunks[rid]) > 1),
@@ -481,6 +482,8 @@ class WorkerCapture:
             "placed_steps": placed,  # steps copied into the reply as they ended (0: gathered at the end)
             "worker_verify_s": round(t_verified - t0, 4),
             "worker_gather_s": round(time.perf_counter() - t_verified, 4),
+            "staging_made": made,  # staging files this call had to make (a larger batch, or all in use)
+            "staging_made_s": made_s,  # seconds making and pinning them (inside the call)
         }
 
     def _any_nonfinite(self) -> bool:

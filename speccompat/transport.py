@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import tempfile
+import time
 import uuid
 from typing import Any
 
@@ -164,7 +165,15 @@ class Staging:
         self.buffers: list[_Buffer] = []
         self.last: _Buffer | None = None
         self.cuda = False
+        #: Files made (and pinned) since :meth:`take_made` was last called, and the seconds that took:
+        #: a new multi-GB pinned file costs seconds on a GPU host, so the call stats report it.
+        self.made, self.made_s = 0, 0.0
         atexit.register(self.release)
+
+    def take_made(self) -> tuple[int, float]:
+        """(files made, seconds spent making and pinning them) since the last call; resets both."""
+        out, self.made, self.made_s = (self.made, round(self.made_s, 4)), 0, 0.0
+        return out
 
     # the file of the last reply (tests and logs)
     path = property(lambda self: self.last.path if self.last else None)
@@ -183,6 +192,7 @@ class Staging:
         if nbytes <= INLINE_LIMIT or (not fits and not _shm_has_room(nbytes)):
             buf = torch.empty(shape, dtype=dtype)
             return {"inline": buf}, buf
+        t0, made = time.perf_counter(), not fits
         if fits:
             chosen = min(fits, key=lambda b: b.capacity)
         else:
@@ -194,8 +204,12 @@ class Staging:
             grown = max([nbytes] + [b.capacity + b.capacity // 4 for b in free])
             chosen = _Buffer(-(-grown // _ROUND) * _ROUND)
             self.buffers.append(chosen)
+            self.made += 1
         if self.cuda:
+            made = made or chosen.pinned is None  # registering a file with CUDA costs about as much
             chosen.pin()
+        if made:
+            self.made_s += time.perf_counter() - t0
         self.last = chosen
         buf = chosen.flat[:nbytes].view(dtype).view(shape)
         desc = {"file": chosen.path, "staging": chosen.id, "owner": os.getpid(), "capacity": chosen.capacity,

@@ -66,6 +66,29 @@ def test_staging_file_is_reused_until_it_must_grow(monkeypatch):
         staging.release()
 
 
+def test_staging_counts_the_files_a_reply_had_to_make(monkeypatch):
+    """A pool shaped for one batch size meets a larger one while the caller still holds views of
+    the last reply (as the example driver's writer does): each such reply makes a file, until the
+    pool holds enough large ones; the counter says so, then reads 0."""
+    monkeypatch.setattr(transport, "_MAPPED", {})
+    staging = transport.Staging()
+    try:
+        made, ids = [], []
+        for tokens in (5000, 5000, 5000, 10000, 10000, 10000, 10000):
+            desc, _ = staging.allocate((4, tokens, 256), torch.bfloat16, "cpu", busy=ids[-1:])
+            ids.append(desc["staging"])
+            count, seconds = staging.take_made()
+            assert seconds >= 0.0 and (seconds > 0.0) == (count > 0)
+            made.append(count)
+        # 5000: one file, then a second (the first is busy), then the first again; 10000: two new
+        # files (none large enough is free), then they alternate
+        assert made == [1, 1, 0, 1, 1, 0, 0]
+        assert ids[2] == ids[0] and ids[5] == ids[3] and ids[6] == ids[4]
+        assert staging.take_made() == (0, 0.0)
+    finally:
+        staging.release()
+
+
 def test_staging_view_is_overwritten_by_the_next_reply(monkeypatch):
     """Why the generator copies each sequence out before returning."""
     monkeypatch.setattr(transport, "_MAPPED", {})
