@@ -53,6 +53,29 @@ def _torch_platform() -> dict[str, Any]:
     return info
 
 
+#: CPU flags of hardware bfloat16 arithmetic (x86: AVX512-BF16, AMX-BF16; Arm: BF16 dot products).
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether this CPU computes bfloat16 in hardware (``/proc/cpuinfo`` flags); None where unknown.
+
+    Without it vLLM's CPU backend runs bfloat16 checkpoints several times slower than float32
+    (benchmarks/cpu_dtype.py: 5.6x for prefill on a 2-core AVX2 EPYC)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86, Arm
+            flags.update(value.split())
+    return any(f in flags for f in _BF16_FLAGS) if flags else None
+
+
 def _environment_speculators(version: str | None) -> str | None:
     """In an environment built by ``scripts/mkenv.py`` (``sys.prefix/speccompat-env.json``), put
     its speculators ``version`` on the path (workers too) - by default the newest, and only when
@@ -127,6 +150,8 @@ def doctor_report(import_speculators: bool = True, speculators: str | None = Non
     }
     status = speccompat.apply()
     report["platform"] = _torch_platform()
+    if report["platform"].get("device") != "cuda":  # vLLM's CPU backend would run here
+        report["platform"]["cpu_bf16"] = cpu_has_bf16()
     if import_speculators and status.state == "armed":
         for module in ("speculators.data_generation.vllm_hidden_states_generator",
                        "speculators.data_generation.custom_worker"):
@@ -165,6 +190,9 @@ def _print_doctor(report: dict[str, Any]) -> None:
     dev = plat.get("device", "?")
     gpu = f", {plat.get('gpus')} x {plat.get('gpu_name')}" if dev == "cuda" else ""
     print(f"platform: {dev} (torch {plat.get('torch')}, CUDA build {plat.get('cuda_build') or 'none'}{gpu})")
+    if plat.get("cpu_bf16") is False:
+        print("  this CPU has no bfloat16 instructions (AVX512-BF16, AMX-BF16): vLLM's CPU backend runs "
+              "bfloat16 checkpoints several times slower here than float32 ones")
     plug = report["plugin"]
     print(
         f"worker plugin ({PLUGIN_GROUP}): "

@@ -25,6 +25,35 @@ def test_doctor_without_vllm_says_so_and_fails(tmp_path, py):
     assert "verdict: NOT supported" in proc.stdout
 
 
+@pytest.mark.parametrize(("cpuinfo", "expected"), [
+    ("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx avx2 fma\n", False),
+    ("flags\t\t: avx2 avx512f avx512bw avx512vl\n", False),  # AVX-512 without its bf16 extension
+    ("flags\t\t: avx2 avx512f avx512_bf16 amx_tile\n", True),
+    ("flags\t\t: avx2 amx_bf16 amx_tile\n", True),
+    ("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n", True),  # Arm
+    ("processor\t: 0\nFeatures\t: fp asimd\n", False),
+    ("model name\t: something without flags\n", None),
+])
+def test_cpu_bf16_is_read_from_the_cpu_flags(cpuinfo, expected):
+    from speccompat.cli import cpu_has_bf16
+
+    assert cpu_has_bf16(cpuinfo) is expected
+
+
+def test_doctor_says_when_a_cpu_has_no_bf16_instructions(tmp_path, py):
+    """This machine's own flags decide the line (the doctor reads /proc/cpuinfo)."""
+    from speccompat.cli import cpu_has_bf16
+
+    write_fake_speculators(tmp_path, "0.4.0.1")
+    proc = py("import sys; from speccompat.cli import main; sys.exit(main(['doctor']))", path=[tmp_path], check=False)
+    here = cpu_has_bf16()
+    assert ("this CPU has no bfloat16 instructions" in proc.stdout) is (here is False), proc.stdout
+    proc = py(NO_ENV.format(prefix=str(tmp_path)) + "from speccompat.cli import main; sys.exit(main(['doctor', '--json']))",
+              path=[tmp_path], check=False)
+    platform = json.loads(proc.stdout)["platform"]
+    assert platform.get("device") == "cuda" or platform["cpu_bf16"] is here
+
+
 def test_doctor_json_without_anything(tmp_path, py):
     proc = py(NO_ENV.format(prefix=str(tmp_path)) + "from speccompat.cli import main; sys.exit(main(['doctor', '--json']))",
               path=[tmp_path], check=False)
