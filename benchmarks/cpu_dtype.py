@@ -25,16 +25,10 @@ from pathlib import Path
 from _results import write  # benchmarks/_results.py
 
 
-def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-    return sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
+def flags_of_interest() -> list[str]:
+    from speccompat.cli import cpu_flags
+
+    return sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "bf16"))
 
 
 def linear_gflops(dtype_name: str, repeat: int = 20) -> float:
@@ -94,7 +88,7 @@ def main() -> int:
     doc = {
         "command": "cpu_dtype.py" + (f" --out {args.out}" if args.out else ""),
         "date": time.strftime("%Y-%m-%d"),
-        "cpu_flags": cpu_flags(),
+        "cpu_flags": flags_of_interest(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),

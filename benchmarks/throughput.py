@@ -456,9 +456,9 @@ def main() -> int:
     main_seqs = sequences(args.sequences, args.min_len, args.max_len)
     workloads = [{"name": "main", "seqs": main_seqs, "per_call": args.sequences_per_call}]
     if args.long:
-        # a longer job of the same kind, in calls of the main workload's size (no buffer grows past
-        # the warm-up's): the fixed costs at a run's start and end (the driver's last batch is
-        # written after the engine's last step) weigh less, as in a data set of 10^8 tokens
+        # a longer job of the same kind, in calls of the main workload's size: the fixed costs at a
+        # run's start and end (the driver's last batch is written after the engine's last step)
+        # weigh less, as in a data set of 10^8 tokens
         workloads.append({"name": f"long={args.long}", "seqs": sequences(args.long, args.min_len, args.max_len, seed=3),
                           "per_call": args.sequences_per_call or args.sequences})
     if args.sweep:

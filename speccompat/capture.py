@@ -483,7 +483,7 @@ class WorkerCapture:
             "worker_verify_s": round(t_verified - t0, 4),
             "worker_gather_s": round(time.perf_counter() - t_verified, 4),
             "staging_made": made,  # staging files this call had to make (a larger batch, or all in use)
-            "staging_made_s": made_s,  # seconds making and pinning them (inside the call)
+            "staging_made_s": round(made_s, 4),  # seconds making and pinning them (inside the call)
         }
 
     def _any_nonfinite(self) -> bool:

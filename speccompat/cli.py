@@ -57,22 +57,29 @@ def _torch_platform() -> dict[str, Any]:
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
-def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
-    """Whether this CPU computes bfloat16 in hardware (``/proc/cpuinfo`` flags); None where unknown.
-
-    Without it vLLM's CPU backend runs bfloat16 checkpoints several times slower than float32
-    (benchmarks/cpu_dtype.py: 5.6x for prefill on a 2-core AVX2 EPYC)."""
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (x86 ``flags``, Arm ``Features``); empty
+    where it cannot be read."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
                 cpuinfo = f.read()
         except OSError:
-            return None
+            return set()
     flags: set[str] = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):  # x86, Arm
+        if key.strip() in ("flags", "Features"):
             flags.update(value.split())
+    return flags
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether this CPU computes bfloat16 in hardware (:func:`cpu_flags`); None where unknown.
+
+    Without it vLLM's CPU backend runs bfloat16 checkpoints several times slower than float32
+    (benchmarks/cpu_dtype.py: 5.6x for prefill on a 2-core AVX2 EPYC)."""
+    flags = cpu_flags(cpuinfo)
     return any(f in flags for f in _BF16_FLAGS) if flags else None
 
 

@@ -172,7 +172,7 @@ class Staging:
 
     def take_made(self) -> tuple[int, float]:
         """(files made, seconds spent making and pinning them) since the last call; resets both."""
-        out, self.made, self.made_s = (self.made, round(self.made_s, 4)), 0, 0.0
+        out, self.made, self.made_s = (self.made, self.made_s), 0, 0.0
         return out
 
     # the file of the last reply (tests and logs)
