@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from speccompat.adapter import Adapter as _Base
+from speccompat.adapter import Done
 from speccompat.adapter import Change
 from speccompat.errors import DriftError, HiddenStatesError
 from speccompat.probe import Symbol, fingerprint
@@ -89,7 +90,7 @@ class Adapter(_Base):
             Symbol(EXEC, why="executor"),
             Symbol(f"{EXEC}.collective_rpc", accepts=("method", "args", "unique_reply_rank"),
                    rejects=("kv_output_aggregator",), why="unique_reply: list reply"),
-            Symbol(f"{EXEC}.execute_model", accepts=("scheduler_output",), why="execute"),
+            Symbol(f"{EXEC}.execute_model", accepts=("scheduler_output",), why="submit"),
             Symbol(f"{EXEC}.sample_tokens", absent=True, why="execute: one phase"),
             Symbol(f"{EXEC}.initialize_from_config", accepts=("kv_cache_configs",)),
             Symbol(f"{EXEC}.shutdown"),
@@ -163,8 +164,12 @@ class Adapter(_Base):
         return cls(**kw)
 
     # ---------------------------------------------------------------------------- executor life
-    def execute(self, executor: Any, scheduler_output: Any) -> Any:
-        return executor.execute_model(scheduler_output)
+    def submit(self, executor: Any, scheduler_output: Any) -> Any:
+        return Done(executor.execute_model(scheduler_output))
+
+    def in_flight(self, executor: Any) -> int:
+        # One-phase execution: steps stay synchronous (the overlap needs sample_tokens' future).
+        return 1
 
     # ------------------------------------------------------------------------------ worker side
     def decoder_layers(self, model: Any) -> tuple[Any, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from speccompat.adapter import Change
-from speccompat.errors import DriftError
+from speccompat.errors import DriftError, HiddenStatesError
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_11_0 as prev
@@ -28,7 +28,8 @@ class Adapter(prev.Adapter):
             "(vllm/v1/executor/multiproc_executor.py:265; gpu_model_runner.py:2631 raises "
             "'State error: sample_tokens() must be called after execute_model() returns None')",
             breaks="speculators 0.3.0 never calls sample_tokens: the second step raises",
-            how="execute() calls sample_tokens(None) whenever execute_model returned None",
+            how="submit() sends sample_tokens(None) after execute_model, as EngineCore's batch queue; "
+            "an output execute_model returned itself takes precedence",
             remove_when="never for speculators 0.3.0",
         ),
         Change(
@@ -76,7 +77,8 @@ class Adapter(prev.Adapter):
             Symbol("vllm.utils.hashing:get_hash_fn_by_name", accepts=("hash_fn_name",)),
             Symbol(f"{EXEC}.collective_rpc", accepts=("method", "args", "unique_reply_rank",
                                                       "kv_output_aggregator"), why="unique_reply: bare"),
-            Symbol(f"{EXEC}.sample_tokens", accepts=("grammar_output",), why="execute: two phases"),
+            Symbol(f"{EXEC}.execute_model", accepts=("scheduler_output", "non_block"), why="submit"),
+            Symbol(f"{EXEC}.sample_tokens", accepts=("grammar_output", "non_block"), why="submit: two phases"),
         ],
     )
     # 0.11.0's location of get_hash_fn_by_name is no longer part of the fingerprint.
@@ -94,11 +96,17 @@ class Adapter(prev.Adapter):
         kw["block_size"] = self.resolved_block_size(kw["vllm_config"], kw["kv_cache_config"])
         return cls(**kw)
 
-    def execute(self, executor: Any, scheduler_output: Any) -> Any:
-        output = executor.execute_model(scheduler_output)
-        if output is None:
-            output = executor.sample_tokens(None)
-        return output
+    def submit(self, executor: Any, scheduler_output: Any) -> Any:
+        executed = executor.execute_model(scheduler_output, non_block=True)
+        if not scheduler_output.total_num_scheduled_tokens:
+            return executed  # a step that only carries finished request ids: nothing to sample
+        return Sampled(executed, executor.sample_tokens(None, non_block=True))
+
+    def in_flight(self, executor: Any) -> int:
+        # The workers run synchronously (scheduler_config turns asynchronous scheduling off); the
+        # driver still schedules and sends step N+1 while step N runs, as EngineCore's batch queue
+        # does under pipeline parallelism with the same Scheduler.
+        return 2
 
     def unique_reply(self, reply: Any) -> Any:
         # Our worker methods return dicts; a list here means the reply shape changed again.
@@ -110,3 +118,25 @@ class Adapter(prev.Adapter):
                 problem="reply shape",
             )
         return reply
+
+
+class Sampled:
+    """The future of a two-phase step: ``execute_model``'s reply, then ``sample_tokens``'.
+
+    The executor answers in order, so waiting for the sample also collects the execution; an error
+    raised by ``execute_model`` in a worker is the one re-raised here.
+    """
+
+    def __init__(self, executed: Any, sampled: Any) -> None:
+        self.executed, self.sampled = executed, sampled
+
+    def result(self) -> Any:
+        try:
+            sampled = self.sampled.result()
+        finally:
+            early = self.executed.result()
+        if early is not None:
+            return early  # execute_model answered the step itself (no sampling phase ran)
+        if sampled is None:
+            raise HiddenStatesError("a step returned no model output (execute_model and sample_tokens both None)")
+        return sampled

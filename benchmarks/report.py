@@ -199,7 +199,8 @@ def main() -> int:
               "`ExampleHiddenStatesConnector` (the speculators 0.5+ path; CUDA only), files in /dev/shm read "
               "back into tensors;",
               "- **generator-views**: the generator with `generate(copy=False)` (views of the worker's "
-              "shared-memory file, no copy-out);",
+              "shared-memory file, no copy-out); **generator-views-sync** the same with one engine step in "
+              "flight (`SPECCOMPAT_IN_FLIGHT=1`: each step's output collected before the next is scheduled);",
               "- **driver** / **driver-disk**: the job end to end - the generator (views) feeding "
               "`speccompat.dataset`'s writer (a safetensors file per sample, checksums, manifest, fsync) in "
               "/dev/shm or on the disk; a pass ends when its last file is durable.", "",

@@ -6,6 +6,8 @@ warm-up pass of each workload, --warm-up, excluded):
   generator  speculators' VllmHiddenStatesGenerator under speccompat (this project)
   generator-views  the same with generate(copy=False): views of the worker's shared-memory
              file instead of one copy per sequence and layer
+  generator-views-sync  the same with one engine step in flight (SPECCOMPAT_IN_FLIGHT=1): each
+             step's output is collected before the next is scheduled (the loop before 2026-12-01)
   plain      vLLM's own prefill: LLM.generate(max_tokens=1), prefix caching off - the physical
              limit for this job (one prefill pass; no hidden states leave the engine)
   plain-sync the same with async scheduling off (the generator's engine loop is synchronous: it
@@ -95,6 +97,8 @@ def run_mode(args: argparse.Namespace) -> dict:
     else:
         if args.mode == "original":
             os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
+        if args.mode == "generator-views-sync":
+            os.environ["SPECCOMPAT_IN_FLIGHT"] = "1"
         import speccompat
 
         speccompat.apply()
@@ -103,7 +107,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         gen = VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
                                         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
 
-        views = {"copy": False} if args.mode == "generator-views" else {}
+        views = {"copy": False} if args.mode.startswith("generator-views") else {}
 
         def extract(batch):
             res = gen.generate(batch, **views)
@@ -414,7 +418,8 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["generator", "plain"],
-                    choices=["generator", "generator-views", "plain", "plain-sync", "original", "native",
+                    choices=["generator", "generator-views", "generator-views-sync", "plain", "plain-sync",
+                             "original", "native",
                              "driver", "driver-disk", "driver-dp"])
     ap.add_argument("--driver-dir", default="/dev/shm/speccompat-bench" if os.path.isdir("/dev/shm") else
                     os.path.join(tempfile.gettempdir(), "speccompat-bench"), help="driver mode: output root")
@@ -516,9 +521,11 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     ratios = {}
     for w in workloads:
         ratios[w["name"]] = {f"{mine}/{other}": round(g / t, 3) if g and t else None
-                             for mine in ("generator", "generator-views", "driver", "driver-disk", "driver-dp")
+                             for mine in ("generator", "generator-views", "generator-views-sync", "driver",
+                                          "driver-disk", "driver-dp")
                              for g in [tps(mine, w["name"])]
-                             for other in ("plain", "plain-sync", "original", "native", "driver")
+                             for other in ("plain", "plain-sync", "generator-views-sync", "original", "native",
+                                           "driver")
                              for t in [tps(other, w["name"])] if mine != other}
         ratios[w["name"]] = {k: v for k, v in ratios[w["name"]].items() if v is not None}
     # the driver modes' extra batch sizes ("main, batch=B"), against the same workload's plain prefill

@@ -22,7 +22,7 @@ from packaging.version import Version
 
 from .probe import Symbol
 
-__all__ = ["Adapter", "Change"]
+__all__ = ["Adapter", "Change", "Done"]
 
 
 class Change(NamedTuple):
@@ -41,6 +41,17 @@ class Change(NamedTuple):
 
     def as_dict(self) -> dict[str, str]:
         return dict(self._asdict())
+
+
+class Done:
+    """The future of a step that already ran (what :meth:`Adapter.submit` returns for synchronous
+    execution)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
 
 
 class Adapter:
@@ -104,8 +115,14 @@ class Adapter:
     def after_kv_cache_init(self, executor: Any) -> None:
         """Engine-core steps due right after ``initialize_from_config``."""
 
-    def execute(self, executor: Any, scheduler_output: Any) -> Any:
-        """Run one scheduled step; return the ``ModelRunnerOutput``."""
+    def submit(self, executor: Any, scheduler_output: Any) -> Any:
+        """Start one scheduled step without waiting for it. Returns a future whose ``result()`` is
+        the step's ``ModelRunnerOutput``; steps run, and their futures resolve, in submission order."""
+        raise NotImplementedError
+
+    def in_flight(self, executor: Any) -> int:
+        """How many submitted steps the engine loop may leave uncollected (1: each step is collected
+        before the next is scheduled; 2: the next step is scheduled and sent while one runs)."""
         raise NotImplementedError
 
     def unique_reply(self, reply: Any) -> Any:

@@ -7,15 +7,17 @@
 - it returns results in ``sorted()`` request-id order (``req_0_10`` before ``req_0_2``);
 - its token bookkeeping relies on the V1 runner's ``input_batch`` and on speculators' own forward.
 
-The loop here is the engine's own step (schedule, execute, ``update_from_output``), so each request
-finishes right after its prefill, frees its KV blocks and lets the next one in; chunked prefill and
-preemption are whatever vLLM's scheduler does. Results come back in input order and are validated
+The loop here is the engine's own (schedule, execute, ``update_from_output``; with EngineCore's
+batch queue, the next step is scheduled and sent while one runs), so each request finishes right
+after its prefill, frees its KV blocks and lets the next one in; chunked prefill and preemption are
+whatever vLLM's scheduler does. Results come back in input order and are validated
 (count, order, shape, finiteness) before they are returned.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import logging
 import operator
@@ -27,7 +29,7 @@ from typing import Any
 from . import transport
 from .errors import HiddenStatesError
 
-__all__ = ["compat_del", "compat_generate", "normalize_token_ids", "validate_results", "wrap_init"]
+__all__ = ["compat_del", "compat_generate", "normalize_token_ids", "run_steps", "validate_results", "wrap_init"]
 
 logger = logging.getLogger("speccompat.generator")
 
@@ -161,20 +163,8 @@ def compat_generate(self: Any, token_ids: Any, *, copy: bool = True) -> list[dic
                 block_hasher=None,
             )
         )
-    live = set(req_ids)
-    steps = 0
     try:
-        while live:
-            so = scheduler.schedule()
-            if so.total_num_scheduled_tokens == 0:
-                raise HiddenStatesError(
-                    f"the scheduler could not schedule {len(live)} remaining sequence(s) "
-                    "(KV cache too small for them?); raise gpu_memory_utilization or shorten them"
-                )
-            output = adapter.execute(executor, so)
-            scheduler.update_from_output(so, output)
-            live = {r for r in live if (q := scheduler.requests.get(r)) is not None and not q.is_finished()}
-            steps += 1
+        steps, depth = run_steps(adapter, executor, scheduler, req_ids)
     except BaseException:
         _abort(mod, scheduler, req_ids)
         try:  # drop what the workers captured so far (device memory) before re-raising
@@ -199,7 +189,8 @@ def compat_generate(self: Any, token_ids: Any, *, copy: bool = True) -> list[dic
     states = transport.unpack(reply["states"])  # [layers, tokens, hidden]
     t_collect = time.perf_counter()
     #: How the last call went: steps, sequences prefilled in several chunks, restarts, seconds.
-    self._speccompat_stats = dict(reply.get("stats", {}), driver_steps=steps, loop_s=round(t_loop - t_start, 4),
+    self._speccompat_stats = dict(reply.get("stats", {}), driver_steps=steps, in_flight=depth,
+                                  loop_s=round(t_loop - t_start, 4),
                                   collect_s=round(t_collect - t_loop, 4))
     if reply.get("nonfinite"):
         layer, (row, count) = next(iter(reply["nonfinite"].items()))
@@ -224,6 +215,57 @@ def compat_generate(self: Any, token_ids: Any, *, copy: bool = True) -> list[dic
     validate_results(results, seqs, list(self.layer_ids), model_config.get_hidden_size(), check_finite=False)
     self._speccompat_stats["unpack_s"] = round(time.perf_counter() - t_collect, 4)
     return results
+
+
+def in_flight_override() -> int | None:
+    """``SPECCOMPAT_IN_FLIGHT``: how many steps the engine loop keeps submitted (1: synchronous)."""
+    raw = os.environ.get("SPECCOMPAT_IN_FLIGHT", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"SPECCOMPAT_IN_FLIGHT={raw!r}: expected a whole number >= 1")
+    return int(raw)
+
+
+def run_steps(adapter: Any, executor: Any, scheduler: Any, req_ids: list[str]) -> tuple[int, int]:
+    """Run engine steps until every request in ``req_ids`` finished; return ``(steps, depth)``.
+
+    EngineCore's batch-queue loop: up to ``adapter.in_flight(executor)`` steps are submitted and
+    not yet collected, so the next step is scheduled and sent while one runs on the device. Each
+    step's output reaches ``update_from_output`` exactly once, in order. A new step is scheduled
+    only while some request still has prompt tokens to schedule; a step with no tokens (the KV
+    cache is full until a running request finishes) still runs, since it carries the ids of the
+    requests that finished to the workers.
+    """
+    depth = in_flight_override() or adapter.in_flight(executor)
+    requests = scheduler.requests
+    live = set(req_ids)
+    queue: collections.deque = collections.deque()
+    steps = 0
+
+    def unscheduled() -> bool:
+        return any((q := requests.get(r)) is not None and q.num_computed_tokens < q.num_prompt_tokens for r in live)
+
+    while live:
+        if len(queue) < depth and unscheduled():
+            so = scheduler.schedule()
+            if not so.total_num_scheduled_tokens and not queue:
+                raise HiddenStatesError(
+                    f"the scheduler could not schedule {len(live)} remaining sequence(s) "
+                    "(KV cache too small for them?); raise gpu_memory_utilization or shorten them"
+                )
+            queue.append((so, adapter.submit(executor, so)))
+            if so.total_num_scheduled_tokens and len(queue) < depth:
+                continue
+        if not queue:
+            raise HiddenStatesError(f"{len(live)} sequence(s) neither finished nor left to schedule")
+        so, future = queue.popleft()
+        scheduler.update_from_output(so, future.result())
+        steps += bool(so.total_num_scheduled_tokens)
+        live = {r for r in live if (q := requests.get(r)) is not None and not q.is_finished()}
+    # Nothing is left in the queue: a step without tokens is only sent while a request is still
+    # unscheduled, and the step that schedules it comes after it.
+    return steps, depth
 
 
 def copy_out(parts: Any) -> list[list[Any]]:

@@ -3,11 +3,13 @@ behaviour against stand-in vLLM callables (what each release expects)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 from packaging.version import Version
 
 from speccompat.adapter import Adapter, Change
-from speccompat.errors import DriftError
+from speccompat.errors import DriftError, HiddenStatesError
 from speccompat.registry import adapter_modules, all_adapters, by_name, by_version
 
 
@@ -145,28 +147,59 @@ def test_unique_reply_shapes():
 
 
 class Exec:
-    def __init__(self, first):
-        self.first, self.calls = first, []
+    """An executor whose replies come in order; ``result()`` of a later reply collects the earlier."""
 
-    def execute_model(self, so):
-        self.calls.append("execute")
-        return self.first
+    def __init__(self, first, sampled="sampled", fail=None):
+        self.first, self.sampled, self.fail, self.calls = first, sampled, fail, []
 
-    def sample_tokens(self, grammar):
-        self.calls.append(("sample", grammar))
-        return "sampled"
+    def _reply(self, name, value, non_block):
+        self.calls.append((name, non_block))
+
+        def result():
+            self.calls.append(("reply", name))
+            if self.fail == name:
+                raise RuntimeError(f"Worker failed with error in {name}")
+            return value
+
+        return types.SimpleNamespace(result=result) if non_block else result()
+
+    def execute_model(self, so, non_block=False):
+        return self._reply("execute", self.first, non_block)
+
+    def sample_tokens(self, grammar, non_block=False):
+        assert grammar is None
+        return self._reply("sample", self.sampled, non_block)
 
     def compile_or_warm_up_model(self):
         self.calls.append("warmup")
 
 
-def test_execution_is_two_phase_from_0_11_1():
+SO = types.SimpleNamespace(total_num_scheduled_tokens=5)
+
+
+def test_execution_is_two_phase_from_0_11_1_and_both_phases_are_sent_before_either_reply():
     e = Exec(first="output")
-    assert A("0.11.0").execute(e, "so") == "output" and e.calls == ["execute"]
+    assert A("0.11.0").submit(e, SO).result() == "output" and e.calls == [("execute", False), ("reply", "execute")]
+    assert A("0.11.0").in_flight(e) == 1
     e = Exec(first=None)
-    assert A("0.11.1").execute(e, "so") == "sampled" and e.calls == ["execute", ("sample", None)]
-    e = Exec(first="early")  # an output from execute_model itself: no sampling phase
-    assert A("0.20.0").execute(e, "so") == "early" and e.calls == ["execute"]
+    fut = A("0.11.1").submit(e, SO)
+    assert e.calls == [("execute", True), ("sample", True)]  # nothing waited for yet
+    assert fut.result() == "sampled" and A("0.11.1").in_flight(e) == 2
+    e = Exec(first="early")  # an output from execute_model itself: the sampling phase had nothing to do
+    assert A("0.20.0").submit(e, SO).result() == "early"
+    e = Exec(first=None)  # a step without tokens only carries finished ids: no sampling phase
+    assert A("0.33.0").submit(e, types.SimpleNamespace(total_num_scheduled_tokens=0)).result() is None
+    assert e.calls == [("execute", True), ("reply", "execute")]
+
+
+def test_a_worker_error_in_execute_model_is_the_one_raised_and_both_replies_are_collected():
+    e = Exec(first=None, sampled=None, fail="execute")
+    with pytest.raises(RuntimeError, match="error in execute"):
+        A("0.24.0").submit(e, SO).result()
+    assert e.calls[2:] == [("reply", "sample"), ("reply", "execute")]
+    e = Exec(first=None, sampled=None)
+    with pytest.raises(HiddenStatesError, match="no model output"):
+        A("0.24.0").submit(e, SO).result()
 
 
 def test_warm_up_is_the_drivers_job_from_0_27():

@@ -21,6 +21,7 @@ from speccompat._state import STATE  # noqa: E402
 class Req:
     def __init__(self, request_id, prompt_token_ids, **_):
         self.request_id, self.prompt_token_ids, self.status = request_id, prompt_token_ids, "waiting"
+        self.num_prompt_tokens, self.num_computed_tokens = len(prompt_token_ids), 0
 
     def is_finished(self):
         return self.status != "waiting"
@@ -61,7 +62,10 @@ class Adapter:
     def name(self):
         return "fake"
 
-    def execute(self, executor, so):
+    def in_flight(self, executor):
+        return 2
+
+    def submit(self, executor, so):
         raise StepFailed("the engine died in the middle of a step")
 
 
