@@ -16,8 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from speccompat.adapter import Adapter as _Base
-from speccompat.adapter import Done
-from speccompat.adapter import Change
+from speccompat.adapter import Change, Done
 from speccompat.errors import DriftError, HiddenStatesError
 from speccompat.probe import Symbol, fingerprint
 
