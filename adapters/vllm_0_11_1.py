@@ -103,10 +103,14 @@ class Adapter(prev.Adapter):
         return Sampled(executed, executor.sample_tokens(None, non_block=True))
 
     def in_flight(self, executor: Any) -> int:
-        # The workers run synchronously (scheduler_config turns asynchronous scheduling off); the
-        # driver still schedules and sends step N+1 while step N runs, as EngineCore's batch queue
-        # does under pipeline parallelism with the same Scheduler.
-        return 2
+        # The workers run synchronously (scheduler_config turns asynchronous scheduling off); on a
+        # GPU the driver still schedules and sends step N+1 while step N runs, as EngineCore's batch
+        # queue does under pipeline parallelism with the same Scheduler. On a CPU the driver would
+        # compete with the forward for the same cores (vLLM turns asynchronous scheduling off there
+        # too): one step (benchmarks/results/throughput-cpu-two-in-flight.json).
+        from vllm.platforms import current_platform
+
+        return 1 if current_platform.is_cpu() else 2
 
     def unique_reply(self, reply: Any) -> Any:
         # Our worker methods return dicts; a list here means the reply shape changed again.

