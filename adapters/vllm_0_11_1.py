@@ -105,9 +105,10 @@ class Adapter(prev.Adapter):
     def in_flight(self, executor: Any) -> int:
         # The workers run synchronously (scheduler_config turns asynchronous scheduling off); on a
         # GPU the driver still schedules and sends step N+1 while step N runs, as EngineCore's batch
-        # queue does under pipeline parallelism with the same Scheduler. On a CPU the driver would
-        # compete with the forward for the same cores (vLLM turns asynchronous scheduling off there
-        # too): one step (benchmarks/results/throughput-cpu-two-in-flight.json).
+        # queue does under pipeline parallelism with the same Scheduler. On a CPU the driver and the
+        # forward share the cores and vLLM turns asynchronous scheduling off: one step, the loop the
+        # CPU cells of the matrix were shown with (two measured no gain on 2 cores:
+        # benchmarks/results/throughput-cpu-two-in-flight.json).
         from vllm.platforms import current_platform
 
         return 1 if current_platform.is_cpu() else 2
