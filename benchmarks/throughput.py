@@ -10,8 +10,8 @@ warm-up pass of each workload, --warm-up, excluded):
              step's output is collected before the next is scheduled (the loop before 2026-12-01)
   plain      vLLM's own prefill: LLM.generate(max_tokens=1), prefix caching off - the physical
              limit for this job (one prefill pass; no hidden states leave the engine)
-  plain-sync the same with async scheduling off (the generator's engine loop is synchronous: it
-             schedules the next step only after the previous one's output came back)
+  plain-sync the same with async scheduling off (the generator's workers run that way too; its
+             driver loop keeps a second step in flight on GPUs, see generator-views-sync)
   original   speculators' own generate()/capture with only speccompat's name adapters (what the
              unpatched code would do if it ran; --sequences-per-call must stay <= 32 for it)
   native     vLLM's own `extract_hidden_states` speculative method + ExampleHiddenStatesConnector
