@@ -109,9 +109,9 @@ class Adapter(prev.Adapter):
         # forward share the cores and vLLM turns asynchronous scheduling off: one step, the loop the
         # CPU cells of the matrix were shown with (two measured no gain on 2 cores:
         # benchmarks/results/throughput-cpu-two-in-flight.json).
-        from vllm.platforms import current_platform
+        from speccompat.platform import device_kind
 
-        return 1 if current_platform.is_cpu() else 2
+        return 1 if device_kind() == "cpu" else 2
 
     def unique_reply(self, reply: Any) -> Any:
         # Our worker methods return dicts; a list here means the reply shape changed again.
