@@ -5,6 +5,8 @@
 #   device_run.sh kimi RUNNER [TP]   Kimi-K2.5 parity: kimi_k25 (bf16) and kimi_k25 with INT4 experts,
 #                                    the thresholds' planted-bug checks, and vLLM's parse of the INT4 config
 #   device_run.sh join [DIR]         join wheels staged in parts (install does it)
+#   device_run.sh reset              forget the staged and installed release, so that another one can be
+#                                    staged and installed on the same machine (its stage calls come next)
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
 #   device_run.sh ckpt8b             build the 8B-shaped checkpoint at $CKPT (/tmp/ckpt-8b) in the background
 #                                    (it outlives the call; /tmp/ckpt-8b.done when finished)
@@ -66,6 +68,12 @@ case "${1:-}" in
     done > "$OUT/logs-$N.txt" 2>/dev/null
     exit $rc
     ;;
+  reset)
+    # what stage and install made (the image's torchvision/torchaudio stay aside: the next install
+    # brings the ones built for its torch)
+    rm -rf /tmp/stage /tmp/site /tmp/spec-* /tmp/nocudnn /tmp/speccompat-env.json /tmp/pytest-*
+    echo "reset: no release staged or installed"
+    ;;
   join)   # join the wheels staged in parts under DIR (default /tmp/stage) and check their hashes
     D="${2:-/tmp/stage}"
     while read -r name sha; do
@@ -95,5 +103,5 @@ open('/tmp/ckpt-8b.done', 'w').close()" > /tmp/ckpt-8b.log 2>&1 < /dev/null &
     fi
     PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu${BENCH_NAME:+-$BENCH_NAME}.json" ${BENCH_ARGS:-}
     ;;
-  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | join [DIR] | ckpt8b | bench"; exit 2 ;;
+  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | reset | join [DIR] | ckpt8b | bench"; exit 2 ;;
 esac
