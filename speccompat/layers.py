@@ -209,8 +209,8 @@ def describe_for_training(layer_ids: Any, num_hidden_layers: int, dataset: str =
     try:
         t = training_layers(ids, num_hidden_layers)
     except LayerIdsError as exc:
-        return "\n".join([*lines, f"not trainable as an EAGLE-3 data set as stored: {exc}"])
-    default = vllm_default_aux_ids(num_hidden_layers)
+        return "\n".join([*lines, f"no EAGLE-3 trainer can use these layers as stored: {exc}"])
+    default = tuple(sorted(set(vllm_default_aux_ids(num_hidden_layers))))  # as vLLM captures them
     lines += [
         f"draft input: layers {' '.join(map(str, t.input_layers))}; verifier state: layer {t.verifier_layer}",
         f"speculators >= 0.5: train with {' '.join(t.target_layer_ids_flag())}",
