@@ -143,15 +143,19 @@ def dataset(tmp_path):
 
 def vllm_served(draft: Path) -> tuple[int, ...]:
     """What vLLM 0.32.0 serves the draft: its own config loader (``SpeculatorsConfig``) and aux-id
-    resolution (``eagle3_utils.get_eagle3_aux_layers_from_config``), else its model default."""
+    resolution (the v1 runner's, which the CPU runner inherits, and the v2 runner's: they must
+    agree), else its model default."""
     from types import SimpleNamespace
 
     from vllm.model_executor.models.interfaces import SupportsEagle3
     from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     hf = SpeculatorsConfig.from_pretrained(str(draft))
-    ids = get_eagle3_aux_layers_from_config(SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf)))
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))
+    ids = GPUModelRunner._get_eagle3_aux_layers_from_config(SimpleNamespace(speculative_config=spec))
+    assert ids == get_eagle3_aux_layers_from_config(spec)
     if not ids:
         ids = SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(
             SimpleNamespace(model=SimpleNamespace(layers=[None] * KIMI_LAYERS)))
@@ -219,7 +223,24 @@ def test_served_ids_follow_vllms_lookup_order():
     assert served_aux_ids({**nested, ids: [7, 8, 9]}, 61).aux_ids == (7, 8, 9)  # top level wins
     plain = {"model_type": "llama", "eagle_config": {ids: [3, 31, 59]}}
     assert served_aux_ids(plain, 61).aux_ids == (3, 31, 59)
-    assert served_aux_ids({"dflash_config": {"target_layer_ids": [2, 30]}}, 61).aux_ids == (3, 31)
+    dflash = {"dflash_config": {"target_layer_ids": [2, 30]}}
+    assert served_aux_ids(dflash, 61).aux_ids == (3, 31)
+    both = {**dflash, "eagle_config": {"other": 1}}  # a non-empty eagle_config decides, even without ids
+    assert served_aux_ids(both, 61).aux_ids == (2, 30, 58)
+    if importlib.util.find_spec("vllm") is None:
+        return
+    from types import SimpleNamespace
+
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for cfg in (spec, {**spec, ids: [59, 3, 31]}, nested, {**nested, ids: [7, 8, 9]}, plain, dflash, both):
+        hf = SpeculatorsConfig.extract_transformers_pre_trained_config(json.loads(json.dumps(cfg))) \
+            if "speculators_model_type" in cfg else cfg
+        runner = SimpleNamespace(speculative_config=SimpleNamespace(
+            draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(**hf))))
+        theirs = GPUModelRunner._get_eagle3_aux_layers_from_config(runner) or vllm_default_aux_ids(61)
+        assert served_aux_ids(cfg, 61).aux_ids == tuple(sorted(set(theirs))), cfg
 
 
 def test_data_config_of_a_speculators_made_data_set_and_bad_input(tmp_path, capsys):
