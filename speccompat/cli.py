@@ -1,5 +1,6 @@
-"""Command line: ``speccompat doctor`` (also ``python -m speccompat``), ``speccompat demo`` and
-``speccompat verify DIR`` (a data set; speccompat.dataset.verify)."""
+"""Command line: ``speccompat doctor`` (also ``python -m speccompat``), ``speccompat demo``,
+``speccompat verify DIR`` (a data set; speccompat.dataset.verify) and ``speccompat check-draft DRAFT
+DATASET`` (speccompat.dataset.check_draft)."""
 
 from __future__ import annotations
 
@@ -244,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     from .dataset import shards as _shards
 
     _shards.add_parser(sub)
+    from .dataset import check_draft as _check_draft
+
+    _check_draft.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd in (None, "doctor"):
         as_json = getattr(args, "json", False)
@@ -263,5 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         return _verify.main(args)
     if args.cmd == "merge":
         return _shards.main(args)
+    if args.cmd == "check-draft":
+        return _check_draft.main(args)
     ap.print_help()
     return 2

@@ -168,7 +168,7 @@ def extract(args: argparse.Namespace) -> int:
     )
     from speccompat.dataset.fsutil import human
     from speccompat.dataset.shards import open_shard, resolve_shard
-    from speccompat.layers import LayerIdsError, resolve_layer_ids
+    from speccompat.layers import LayerIdsError, describe_for_training, resolve_layer_ids
 
     started = time.monotonic()
     shard = resolve_shard(args.num_shards, args.shard_index)
@@ -202,6 +202,7 @@ def extract(args: argparse.Namespace) -> int:
             ds.finish(args.token_freq_path)
         logger.info("nothing to do: every sample%s has an intact file in %s",
                     f" of shard {shard.index} of {shard.num_shards}" if shard.num_shards > 1 else "", args.output_dir)
+        print(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
         return EXIT_OK
 
     t0 = time.monotonic()
@@ -267,6 +268,8 @@ def extract(args: argparse.Namespace) -> int:
     if failed:
         logger.error("%d sample(s) failed; re-run the same command to retry them", len(failed))
         return EXIT_FAILED
+    if code == EXIT_OK:
+        print(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
     return code
 
 

@@ -6,6 +6,9 @@ examples/kimi_k25/extract_hidden_states.py, which holds nothing model-specific.
 
 ``--layer-ids`` defaults to speculators' choice ``[2, L//2, L-3, L-1]`` (32 layers: 2 16 29 31).
 For the tokenization step use examples/kimi_k25/prepare_data.py (drop ``--trust-remote-code``).
+At the end it prints the trainer flags for the data set (``speccompat.layers.describe_for_training``:
+``--target-layer-ids`` for speculators >= 0.5, the draft config's ``eagle_aux_hidden_state_layer_ids``
+for 0.3/0.4).
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ from typing import Any
 __all__ = ["INFORMATIONAL", "LAYER_MEANING", "ModelInfo", "collect", "differences", "digest", "model_identity",
            "read_model_info", "tokenizer_identity"]
 
-#: Keys (dotted) that may differ between runs of one data set.
-INFORMATIONAL = frozenset({"created", "model.path", "versions.python"})
+#: Keys (dotted) that may differ between runs of one data set. ``hidden_states.layers`` is derived
+#: from ``hidden_states.layer_ids`` (compared) and absent from data sets written before it was recorded.
+INFORMATIONAL = frozenset({"created", "model.path", "versions.python", "hidden_states.layers"})
 
 LAYER_MEANING = ("hidden_states_<i> is the residual stream after decoder layer i (0-based), before the final "
                  "norm, for every prompt token; the last layer (num_hidden_layers - 1) is included the same way")
@@ -139,6 +140,7 @@ def collect(*, model_path: str, info: ModelInfo, layer_ids: list[int], dtype: st
     import platform
 
     import speccompat
+    from speccompat.layers import layer_records
 
     prov: dict[str, Any] = {
         "model": {**model_identity(model_path), "architectures": list(info.architectures),
@@ -158,7 +160,8 @@ def collect(*, model_path: str, info: ModelInfo, layer_ids: list[int], dtype: st
             "adapter": st.get("adapter"),
             "patches": sorted(p["id"] for p in st.get("patches", []) if p.get("state") in ("applied", "pending")),
         },
-        "hidden_states": {"layer_ids": list(layer_ids), "meaning": LAYER_MEANING, "dtype": dtype},
+        "hidden_states": {"layer_ids": list(layer_ids), "meaning": LAYER_MEANING, "dtype": dtype,
+                          "layers": layer_records(layer_ids)},
         "max_seq_len": max_seq_len,
         "truncation": {"on_long_line": on_long_line,
                        "rule": "the first max_seq_len tokens (and loss_mask entries) are kept"},

@@ -307,6 +307,9 @@ def test_end_to_end_matches_transformers_and_keeps_every_hostile_id(shared, refe
     assert len({e["file"].lower() for e in entries.values()}) == len(entries)
     prov = header["provenance"]
     assert prov["hidden_states"]["layer_ids"] == LAYER_IDS and prov["model"]["config_sha256"]
+    assert [r["vllm_aux_id"] for r in prov["hidden_states"]["layers"]] == [2, 3, 5, 6]
+    assert "speculators >= 0.5: train with --target-layer-ids 2 3 5" in proc.stdout  # printed at the end
+    assert '{"eagle_aux_hidden_state_layer_ids": [2, 3, 5]}' in proc.stdout
     assert prov["speccompat"]["adapter"] and "generator.generate" in prov["speccompat"]["patches"]
     assert prov["versions"]["vllm"] == ENGINE_ENV["vllm"] and prov["created"] == "2023-11-14T22:13:20Z"
     assert entries["dir/long sample"]["truncated_from"] == 300
