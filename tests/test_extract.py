@@ -1,0 +1,105 @@
+"""``speccompat extract``: settings config.json decides are refused before anything starts or is
+written; a KV cache too small is a setting; unverified steps fail their samples (no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+from dataset_fakes import jsonl, model_dir, random_records
+
+from speccompat.dataset import extract as ex
+from speccompat.errors import HiddenStatesError, KVCacheTooSmall
+
+
+def cfg(**kw):
+    return ex.ExtractConfig(model_path="m", prepared_data="d.jsonl", output_dir="out", **kw)
+
+
+@pytest.mark.parametrize(("settings", "config", "problem"), [
+    ({}, {"max_position_embeddings": 2048},
+     "--max-seq-len 2048: the engine gets max_model_len = max_seq_len + 1 = 2049, more than the model's "
+     "max_position_embeddings 2048 (config.json), which vLLM refuses; use --max-seq-len 2047 or less"),
+    ({"tp_size": 8}, {"num_attention_heads": 4, "num_key_value_heads": 4},
+     "--tp-size 8: the model's 4 attention heads (num_attention_heads) are not divisible by it; use one of [1, 2, 4]"),
+    ({"tp_size": 4}, {"num_attention_heads": 12, "num_key_value_heads": 6},
+     "--tp-size 4: the model's 6 KV heads (num_key_value_heads) can neither be split over it nor replicated "
+     "evenly; use a divisor or a multiple of 6"),
+    ({"engines_per_gpu": 4, "gpu_memory_utilization": 0.3}, {},
+     "--gpu-memory-utilization 0.3 with --engines-per-gpu 4: the engines sharing a GPU would ask for more than "
+     "all of it; use at most 0.25"),
+])
+def test_preflight_names_the_setting_and_a_value_that_works(settings, config, problem):
+    assert ex.preflight(cfg(**settings), config) == [problem]
+
+
+def test_preflight_accepts_settings_that_fit():
+    config = {"text_config": {"max_position_embeddings": 4096, "num_attention_heads": 8, "num_key_value_heads": 2}}
+    assert ex.preflight(cfg(max_seq_len=4095, tp_size=4), config) == []
+    assert ex.preflight(cfg(tp_size=8), {"num_attention_heads": 8, "num_key_value_heads": 2}) == []  # replicated
+    assert ex.preflight(cfg(max_seq_len=9000), {"max_position_embeddings": 2048,
+                                                "rope_scaling": {"type": "yarn", "factor": 8}}) == []
+
+
+def test_a_refused_command_exits_2_before_any_engine_and_writes_nothing(tmp_path, monkeypatch, caplog):
+    model = model_dir(tmp_path, max_position_embeddings=2048, num_attention_heads=4, num_key_value_heads=4)
+    data = jsonl(tmp_path / "d.jsonl", random_records(3))
+    out = tmp_path / "out"
+    monkeypatch.setattr(ex, "start_generator", lambda *a: pytest.fail("the engine must not start"))
+    code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
+                    "--tp-size", "8", "--layer-ids", "1", "9"])
+    assert code == 2 and not out.exists()
+    assert "--max-seq-len 2048" in caplog.text and "--tp-size 8" in caplog.text
+    assert "--layer-ids:" in caplog.text and "nothing was started or written" in caplog.text
+
+
+class Gen:
+    def __init__(self, *outcomes):
+        self.outcomes, self.calls = list(outcomes), []
+
+    def generate(self, ids, copy=True):
+        self.calls.append(len(ids))
+        out = self.outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        self._speccompat_stats = {"unverified_steps": out}
+        return [{"hidden_states": [i]} for i in range(len(ids))]
+
+
+def samples(n):
+    return [types.SimpleNamespace(input_ids=[1, 2, 3], num_tokens=3) for _ in range(n)]
+
+
+def test_a_call_with_unverified_steps_fails_its_samples():
+    [a, b] = ex.generate(Gen(2), samples(2))
+    assert isinstance(a, HiddenStatesError) and a is b and "2 engine step(s) of this batch could not be verified" in str(a)
+    assert [r["hidden_states"] for r in ex.generate(Gen(0), samples(2))] == [[0], [1]]
+
+
+def test_a_kv_cache_too_small_for_one_sample_is_raised_not_failed_per_sample():
+    small = KVCacheTooSmall("too small", longest=3)
+    gen = Gen(small, 0, small)
+    with pytest.raises(KVCacheTooSmall):
+        ex.generate(gen, samples(2))  # the batch, then sample 1 alone (fits), then sample 2 alone (does not)
+    assert gen.calls == [2, 1, 1]
+
+
+def test_the_run_stops_on_a_kv_cache_too_small_and_names_the_settings(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("torch", reason="the data set's writer")
+    import speccompat
+
+    model = model_dir(tmp_path)
+    data = jsonl(tmp_path / "d.jsonl", random_records(6))
+    status = types.SimpleNamespace(state="armed", warnings=[], errors=[], speculators={"raw": "0.4.0.1"},
+                                   as_dict=lambda: {"state": "armed", "vllm": {"raw": "0.32.0"}})
+    monkeypatch.setattr(speccompat, "apply", lambda **kw: status)
+    gen = Gen(*[KVCacheTooSmall("the KV cache is too small for them", longest=30)] * 3)
+    monkeypatch.setattr(ex, "start_generator", lambda *a: gen)
+    code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(tmp_path / "o"),
+                    "--layer-ids", "1", "2", "4", "5", "--gpu-memory-utilization", "0.0001", "--no-progress"])
+    assert code == 1 and gen.calls == [2, 1]  # stopped at the first sample that cannot fit alone
+    assert "re-running the same command fails the same way" in caplog.text
+    assert "Raise --gpu-memory-utilization (now 0.0001)" in caplog.text
+    assert "re-run the same command to retry" not in caplog.text
+    assert json.loads((tmp_path / "o" / "manifest.jsonl").read_text().splitlines()[0])["speccompat_dataset"] == 1
