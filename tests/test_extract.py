@@ -26,9 +26,6 @@ def cfg(**kw):
     ({"tp_size": 4}, {"num_attention_heads": 12, "num_key_value_heads": 6},
      "--tp-size 4: the model's 6 KV heads (num_key_value_heads) can neither be split over it nor replicated "
      "evenly; use a divisor or a multiple of 6"),
-    ({"engines_per_gpu": 4, "gpu_memory_utilization": 0.3}, {},
-     "--gpu-memory-utilization 0.3 with --engines-per-gpu 4: the engines sharing a GPU would ask for more than "
-     "all of it; use at most 0.25"),
 ])
 def test_preflight_names_the_setting_and_a_value_that_works(settings, config, problem):
     assert ex.preflight(cfg(**settings), config) == [problem]
@@ -103,3 +100,26 @@ def test_the_run_stops_on_a_kv_cache_too_small_and_names_the_settings(tmp_path, 
     assert "Raise --gpu-memory-utilization (now 0.0001)" in caplog.text
     assert "re-run the same command to retry" not in caplog.text
     assert json.loads((tmp_path / "o" / "manifest.jsonl").read_text().splitlines()[0])["speccompat_dataset"] == 1
+
+
+@pytest.mark.parametrize("command", ["example", "cli"])
+def test_the_example_driver_and_the_cli_are_the_command(tmp_path, command):
+    """examples/kimi_k25/extract_hidden_states.py and ``speccompat extract`` run the same command:
+    a refusal there is exit 2 before speccompat.apply() or any engine, and nothing is written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    model = model_dir(tmp_path, max_position_embeddings=512, num_attention_heads=4, num_key_value_heads=4)
+    data = jsonl(tmp_path / "d.jsonl", random_records(3))
+    head = ([str(repo / "examples" / "kimi_k25" / "extract_hidden_states.py")] if command == "example"
+            else ["-m", "speccompat", "extract"])
+    proc = subprocess.run([sys.executable, *head, "--model-path", str(model), "--prepared-data", str(data),
+                           "--output-dir", str(tmp_path / "out"), "--tp-size", "3"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "--max-seq-len 2048: the engine gets max_model_len = max_seq_len + 1 = 2049" in proc.stderr
+    assert "--tp-size 3: the model's 4 attention heads" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

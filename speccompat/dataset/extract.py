@@ -193,10 +193,6 @@ def preflight(cfg: ExtractConfig, model_config: dict[str, Any]) -> list[str]:
     if isinstance(kv, int) and kv > 0 and (kv % cfg.tp_size if kv >= cfg.tp_size else cfg.tp_size % kv):
         problems.append(f"--tp-size {cfg.tp_size}: the model's {kv} KV heads (num_key_value_heads) can neither be "
                         f"split over it nor replicated evenly; use a divisor or a multiple of {kv}")
-    if cfg.engines_per_gpu > 1 and cfg.gpu_memory_utilization * cfg.engines_per_gpu > 1.0 + 1e-9:
-        problems.append(f"--gpu-memory-utilization {cfg.gpu_memory_utilization} with --engines-per-gpu "
-                        f"{cfg.engines_per_gpu}: the engines sharing a GPU would ask for more than all of it; use "
-                        f"at most {1 / cfg.engines_per_gpu:.3g}")
     return problems
 
 
@@ -434,8 +430,7 @@ def main(argv: list[str] | None = None, *, script: Path | None = None, prog: str
 
         try:
             check_settings(cfg)
-            return launch_engines(args, sys.argv[1:] if argv is None else argv,
-                                  script or Path(__file__).resolve())
+            return launch_engines(cfg, sys.argv[1:] if argv is None else argv, script or Path(__file__).resolve())
         except Rejected as exc:
             logger.error("%s", exc)
             return EXIT_REJECTED
@@ -448,4 +443,6 @@ def main(argv: list[str] | None = None, *, script: Path | None = None, prog: str
 
 
 if __name__ == "__main__":  # vLLM's spawned workers re-import this file: nothing may run then
+    if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]  # run as a file (one engine of --data-parallel-size): this folder's modules are no packages
     sys.exit(main())
