@@ -19,8 +19,8 @@ def cfg(**kw):
 
 @pytest.mark.parametrize(("settings", "config", "problem"), [
     ({}, {"max_position_embeddings": 2048},
-     "--max-seq-len 2048: the engine gets max_model_len = max_seq_len + 1 = 2049, more than the model's "
-     "max_position_embeddings 2048 (config.json), which vLLM refuses; use --max-seq-len 2047 or less"),
+     "--max-seq-len 2048: the engine gets max_model_len = max_seq_len + 1 = 2049, more than the model allows "
+     "(config.json max_position_embeddings 2048), which vLLM refuses; use --max-seq-len 2047 or less"),
     ({"tp_size": 8}, {"num_attention_heads": 4, "num_key_value_heads": 4},
      "--tp-size 8: the model's 4 attention heads (num_attention_heads) are not divisible by it; use one of [1, 2, 4]"),
     ({"tp_size": 4}, {"num_attention_heads": 12, "num_key_value_heads": 6},
@@ -36,7 +36,22 @@ def test_preflight_accepts_settings_that_fit():
     assert ex.preflight(cfg(max_seq_len=4095, tp_size=4), config) == []
     assert ex.preflight(cfg(tp_size=8), {"num_attention_heads": 8, "num_key_value_heads": 2}) == []  # replicated
     assert ex.preflight(cfg(max_seq_len=9000), {"max_position_embeddings": 2048,
-                                                "rope_scaling": {"type": "yarn", "factor": 8}}) == []
+                                                "rope_scaling": {"type": "linear", "factor": 8}}) == []
+
+
+def test_the_length_limit_follows_vllms_rule():
+    limit = ex.max_model_len_limit
+    assert limit({"max_position_embeddings": 2048, "seq_length": 1024}) == (1024, "config.json seq_length 1024")
+    assert limit({"max_position_embeddings": 2048, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}) == \
+        (4096, "config.json max_position_embeddings 2048 x the RoPE scaling factor 2.0")
+    yarn = {"max_position_embeddings": 131072, "rope_scaling": {"type": "yarn", "factor": 32.0}}  # Kimi-K2
+    assert limit(yarn) == (131072, "config.json max_position_embeddings 131072")
+    assert limit({"max_position_embeddings": 4096}, {"model_max_length": 1000}) == \
+        (1000, "tokenizer_config.json model_max_length 1000")
+    assert limit({"hidden_size": 8}) is None
+    assert ex.preflight(cfg(max_seq_len=1000), {"max_position_embeddings": 4096}, {"model_max_length": 1000}) == [
+        "--max-seq-len 1000: the engine gets max_model_len = max_seq_len + 1 = 1001, more than the model allows "
+        "(tokenizer_config.json model_max_length 1000), which vLLM refuses; use --max-seq-len 999 or less"]
 
 
 def test_a_refused_command_exits_2_before_any_engine_and_writes_nothing(tmp_path, monkeypatch, caplog):

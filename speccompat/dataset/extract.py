@@ -170,21 +170,42 @@ _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
                  "model_max_length")
 
 
-def preflight(cfg: ExtractConfig, model_config: dict[str, Any]) -> list[str]:
+#: RoPE types whose ``factor`` does not lengthen the model's limit (vLLM's ``_get_and_verify_max_len``).
+_UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def max_model_len_limit(model_config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None) -> Any:
+    """``(limit, what)``: the longest max_model_len vLLM accepts for this config (its rule: the
+    smallest length key of config.json, the tokenizer's ``model_max_length``, times a RoPE scaling
+    factor), or ``None`` when config.json names no length."""
+    text = model_config.get("text_config") or model_config
+    limits = {f"config.json {k}": text[k] for k in _MAX_LEN_KEYS if isinstance(text.get(k), int) and text[k] > 0}
+    tok = (tokenizer_config or {}).get("model_max_length")
+    if isinstance(tok, int) and tok > 0:
+        limits["tokenizer_config.json model_max_length"] = tok
+    if not limits:
+        return None
+    key, limit = min(limits.items(), key=lambda kv: kv[1])
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("factor"), (int, float)) and \
+            rope.get("rope_type", rope.get("type")) not in _UNSCALED_ROPE:
+        return int(limit * rope["factor"]), f"{key} {limit} x the RoPE scaling factor {rope['factor']}"
+    return limit, f"{key} {limit}"
+
+
+def preflight(cfg: ExtractConfig, model_config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None,
+              ) -> list[str]:
     """What config.json already decides about the settings, checked before any engine starts or
     anything is written: each problem names the flag, the value, the model's fact and a value that
-    works. ``model_config``: config.json as a dict."""
+    works. ``model_config``: config.json as a dict (``tokenizer_config``: tokenizer_config.json)."""
     text = model_config.get("text_config") or model_config
     problems = []
-    limits = {k: text[k] for k in _MAX_LEN_KEYS if isinstance(text.get(k), int) and text[k] > 0}
-    scaled = text.get("rope_scaling") or text.get("rope_parameters")  # vLLM lengthens the limit: not checked
-    if limits and not scaled and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") in ("", "0"):
-        key, limit = min(limits.items(), key=lambda kv: kv[1])
-        if cfg.max_model_len > limit:
-            problems.append(
-                f"--max-seq-len {cfg.max_seq_len}: the engine gets max_model_len = max_seq_len + 1 = "
-                f"{cfg.max_model_len}, more than the model's {key} {limit} (config.json), which vLLM refuses; "
-                f"use --max-seq-len {limit - 1} or less")
+    found = max_model_len_limit(model_config, tokenizer_config)
+    if found and cfg.max_model_len > found[0] and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") in ("", "0"):
+        problems.append(
+            f"--max-seq-len {cfg.max_seq_len}: the engine gets max_model_len = max_seq_len + 1 = "
+            f"{cfg.max_model_len}, more than the model allows ({found[1]}), which vLLM refuses; "
+            f"use --max-seq-len {found[0] - 1} or less")
     heads = text.get("num_attention_heads")
     if isinstance(heads, int) and heads > 0 and heads % cfg.tp_size:
         problems.append(f"--tp-size {cfg.tp_size}: the model's {heads} attention heads (num_attention_heads) are "
@@ -200,6 +221,15 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
 
 
+def _tokenizer_config(model_path: str) -> dict[str, Any] | None:
+    import json
+
+    try:
+        return json.loads((Path(model_path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def check_settings(cfg: ExtractConfig) -> Any:
     """:func:`preflight` on the model's config.json, and the layer ids against its layers; raises
     ``Rejected`` naming every problem. Returns ``(ModelInfo, layer ids)``."""
@@ -207,7 +237,7 @@ def check_settings(cfg: ExtractConfig) -> Any:
     from speccompat.layers import LayerIdsError, _config_dict, resolve_layer_ids
 
     info = read_model_info(cfg.model_path)
-    problems = preflight(cfg, _config_dict(cfg.model_path))
+    problems = preflight(cfg, _config_dict(cfg.model_path), _tokenizer_config(cfg.model_path))
     try:
         layer_ids = resolve_layer_ids(cfg.layer_ids, info.num_layers)
     except LayerIdsError as exc:
