@@ -20,7 +20,6 @@ tensors (default: ~600 GB; 61 layers, 60 of them MoE with 384 experts x 3 projec
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write  # noqa: E402
 
 from speccompat.dataset.provenance import IDENTITY_METHOD, weights_identity  # noqa: E402
+from speccompat.dataset.provenance import _sha256_file as sha256_full  # noqa: E402
 
 
 def make_file(path: Path, nbytes: int, tensors: int) -> None:
@@ -56,14 +56,6 @@ def best_of(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
-
-
-def sha256_full(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def main() -> None:

@@ -59,15 +59,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--format", choices=("safetensors", "speculators"), default="safetensors",
                     help="safetensors: <id>.safetensors per sample; speculators: data_<i>.pt and "
                          "data_config.json as speculators' own data_generation_offline.py writes them")
-    ap.add_argument("--batch-size", type=_positive_int, default=2, help="sequences per generate() call")
-    ap.add_argument("--max-seq-len", type=_positive_int, default=2048,
+    ap.add_argument("--batch-size", type=positive_int, default=2, help="sequences per generate() call")
+    ap.add_argument("--max-seq-len", type=positive_int, default=2048,
                     help="longest sequence kept whole (the engine gets max_model_len = this + 1)")
-    ap.add_argument("--tp-size", type=_positive_int, default=1, help="tensor parallel size (GPUs)")
+    ap.add_argument("--tp-size", type=positive_int, default=1, help="tensor parallel size (GPUs)")
     ap.add_argument("--gpu-memory-utilization", type=_fraction, default=0.8,
                     help="fraction of GPU memory vLLM may use (on CPU: use a small value, e.g. 0.1)")
     ap.add_argument("--layer-ids", type=int, nargs="+", default=None,
                     help="decoder layers to capture; default: speculators' choice [2, L//2, L-3, L-1]")
-    ap.add_argument("--limit", type=_positive_int, default=None, help="use only the first N valid samples")
+    ap.add_argument("--limit", type=positive_int, default=None, help="use only the first N valid samples")
     ap.add_argument("--overwrite", action="store_true",
                     help="start the data set anew: redo every sample, also when the model or settings changed")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
@@ -76,7 +76,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="corrupt input lines: skip them with a warning, or stop before the engine starts")
     ap.add_argument("--on-long-line", choices=("truncate", "skip", "fail"), default="truncate",
                     help="lines longer than --max-seq-len: keep the first max-seq-len tokens, skip, or stop")
-    ap.add_argument("--writer-threads", type=_positive_int, default=4, help="threads writing files")
+    ap.add_argument("--writer-threads", type=positive_int, default=4, help="threads writing files")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0,
                     help="results not yet written that may be held in memory before the engine waits")
     ap.add_argument("--token-freq-path", type=Path, default=None,
@@ -85,16 +85,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar (it shows on a terminal when tqdm is installed)")
     sc = ap.add_argument_group("scale-out (docs/scale-out.md)")
-    sc.add_argument("--num-shards", type=_positive_int, default=None,
+    sc.add_argument("--num-shards", type=positive_int, default=None,
                     help="split the input into N shards by a hash of each id (when not given: SLURM_ARRAY_TASK_COUNT, "
                          "else WORLD_SIZE, else 1); every shard writes its own manifest part into --output-dir")
     sc.add_argument("--shard-index", type=int, default=None,
                     help="this process's shard, 0..N-1 (when not given: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, "
                          "else RANK)")
-    sc.add_argument("--data-parallel-size", type=_positive_int, default=1,
+    sc.add_argument("--data-parallel-size", type=positive_int, default=1,
                     help="engines of --tp-size GPUs each, one shard each, side by side on this host "
                          "(or Ray actors with --ray); the data set is merged when all have finished")
-    sc.add_argument("--engines-per-gpu", type=_positive_int, default=1,
+    sc.add_argument("--engines-per-gpu", type=positive_int, default=1,
                     help="engines sharing each group of --tp-size GPUs (a model much smaller than a GPU); "
                          "give each its share with --gpu-memory-utilization (at most 1/N)")
     sc.add_argument("--ray", action="store_true",
@@ -103,7 +103,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="the Ray cluster (host:port, auto, or local: a one-node cluster in this process)")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -211,7 +211,7 @@ def preflight(cfg: ExtractConfig, model_config: dict[str, Any], tokenizer_config
         problems.append(f"--tp-size {cfg.tp_size}: the model's {heads} attention heads (num_attention_heads) are "
                         f"not divisible by it; use one of {_divisors(heads)}")
     kv = text.get("num_key_value_heads")
-    if isinstance(kv, int) and kv > 0 and (kv % cfg.tp_size if kv >= cfg.tp_size else cfg.tp_size % kv):
+    if isinstance(kv, int) and 0 < kv != heads and (kv % cfg.tp_size if kv >= cfg.tp_size else cfg.tp_size % kv):
         problems.append(f"--tp-size {cfg.tp_size}: the model's {kv} KV heads (num_key_value_heads) can neither be "
                         f"split over it nor replicated evenly; use a divisor or a multiple of {kv}")
     return problems
