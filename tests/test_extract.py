@@ -138,3 +138,12 @@ def test_the_example_driver_and_the_cli_are_the_command(tmp_path, command):
     assert "--max-seq-len 2048: the engine gets max_model_len = max_seq_len + 1 = 2049" in proc.stderr
     assert "--tp-size 3: the model's 4 attention heads" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_tp_size_needs_that_many_visible_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert ex.machine_problems(cfg(tp_size=4)) == ["--tp-size 4: only 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=0,1)"]
+    assert ex.machine_problems(cfg(tp_size=2)) == []
+    assert ex.machine_problems(cfg(tp_size=4, data_parallel_size=2)) == []  # placed by speccompat.parallel
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert ex.machine_problems(cfg(tp_size=4)) == []

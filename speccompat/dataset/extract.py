@@ -217,6 +217,18 @@ def preflight(cfg: ExtractConfig, model_config: dict[str, Any], tokenizer_config
     return problems
 
 
+def machine_problems(cfg: ExtractConfig) -> list[str]:
+    """What this machine decides: ``--tp-size`` GPUs must be visible (when ``CUDA_VISIBLE_DEVICES``
+    says which; several engines are checked where they are placed, ``speccompat.parallel``)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or cfg.ray or cfg.data_parallel_size > 1:
+        return []
+    n = len([d for d in visible.split(",") if d.strip()])
+    if n and cfg.tp_size > n:
+        return [f"--tp-size {cfg.tp_size}: only {n} GPU(s) are visible (CUDA_VISIBLE_DEVICES={visible})"]
+    return []
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
 
@@ -238,6 +250,7 @@ def check_settings(cfg: ExtractConfig) -> Any:
 
     info = read_model_info(cfg.model_path)
     problems = preflight(cfg, _config_dict(cfg.model_path), _tokenizer_config(cfg.model_path))
+    problems += machine_problems(cfg)
     try:
         layer_ids = resolve_layer_ids(cfg.layer_ids, info.num_layers)
     except LayerIdsError as exc:
