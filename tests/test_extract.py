@@ -117,10 +117,7 @@ def test_the_run_stops_on_a_kv_cache_too_small_and_names_the_settings(tmp_path, 
     assert json.loads((tmp_path / "o" / "manifest.jsonl").read_text().splitlines()[0])["speccompat_dataset"] == 1
 
 
-@pytest.mark.parametrize("command", ["example", "cli"])
-def test_the_example_driver_and_the_cli_are_the_command(tmp_path, command):
-    """examples/kimi_k25/extract_hidden_states.py and ``speccompat extract`` run the same command:
-    a refusal there is exit 2 before speccompat.apply() or any engine, and nothing is written."""
+def run_command(tmp_path, command, *flags, env=None, path=()):
     import os
     import subprocess
     import sys
@@ -131,12 +128,32 @@ def test_the_example_driver_and_the_cli_are_the_command(tmp_path, command):
     data = jsonl(tmp_path / "d.jsonl", random_records(3))
     head = ([str(repo / "examples" / "kimi_k25" / "extract_hidden_states.py")] if command == "example"
             else ["-m", "speccompat", "extract"])
-    proc = subprocess.run([sys.executable, *head, "--model-path", str(model), "--prepared-data", str(data),
-                           "--output-dir", str(tmp_path / "out"), "--tp-size", "3"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(repo)}, timeout=120, cwd=tmp_path)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECCOMPAT_")}
+    return subprocess.run([sys.executable, *head, "--model-path", str(model), "--prepared-data", str(data),
+                           "--output-dir", str(tmp_path / "out"), *flags], capture_output=True, text=True,
+                          env={**environ, "PYTHONPATH": os.pathsep.join([*map(str, path), str(repo)]), **(env or {})}, timeout=120, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("command", ["example", "cli"])
+def test_the_example_driver_and_the_cli_are_the_command(tmp_path, command):
+    """examples/kimi_k25/extract_hidden_states.py and ``speccompat extract`` run the same command:
+    a refusal there is exit 2 before speccompat.apply() or any engine, and nothing is written."""
+    proc = run_command(tmp_path, command, "--tp-size", "3")
     assert proc.returncode == 2, proc.stderr
     assert "--max-seq-len 2048: the engine gets max_model_len = max_seq_len + 1 = 2049" in proc.stderr
     assert "--tp-size 3: the model's 4 attention heads" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_bad_vllm_version_override_is_refused_naming_the_variable(tmp_path):
+    from fakes import write_fake_speculators
+
+    site = tmp_path / "site"
+    write_fake_speculators(site, "0.4.0.1")
+    proc = run_command(tmp_path, "cli", "--max-seq-len", "64", "--layer-ids", "1", "2",
+                       env={"SPECCOMPAT_VLLM_VERSION": "garbage"}, path=[site])
+    assert proc.returncode == 2, proc.stderr
+    assert "SPECCOMPAT_VLLM_VERSION='garbage' is not a version: set it to a vLLM release version" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
