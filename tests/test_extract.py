@@ -164,3 +164,21 @@ def test_tp_size_needs_that_many_visible_gpus(monkeypatch):
     assert ex.machine_problems(cfg(tp_size=4, data_parallel_size=2)) == []  # placed by speccompat.parallel
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert ex.machine_problems(cfg(tp_size=4)) == []
+
+
+def test_the_progress_bar_counts_tokens_on_a_terminal_only(monkeypatch):
+    import sys
+
+    made = []
+    fake = types.ModuleType("tqdm")
+    fake.tqdm = lambda **kw: made.append(kw) or kw
+    monkeypatch.setitem(sys.modules, "tqdm", fake)
+    todo = samples(4)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    bar = ex._progress_bar(cfg(), todo)
+    assert bar["total"] == 12 and bar["unit"] == "tok" and bar["unit_scale"] is True  # tokens/s and ETA
+    assert ex._progress_bar(cfg(progress=False), todo) is None
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: log lines only
+    assert ex._progress_bar(cfg(), todo) is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert ex._progress_bar(cfg(), todo) is None and len(made) == 1
