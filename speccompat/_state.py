@@ -12,6 +12,8 @@ class State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.armed = False
+        self.import_fixes = False  # speculators' import fixes armed (also without a usable vLLM)
+        self.problem: str | None = None  # why only the import fixes were armed
         self.strict = False
         self.vllm: Any = None
         self.speculators: Any = None

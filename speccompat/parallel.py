@@ -293,11 +293,13 @@ def _without(argv: list[str], flag: str) -> list[str]:
 
 
 def launch_engines(args: Any, argv: list[str], script: Path) -> int:
-    """The example drivers' ``--data-parallel-size D`` / ``--ray``: D engines of ``--tp-size`` GPUs,
-    each the same driver command for one shard. Within a job of N shards given by
-    ``--num-shards``/``--shard-index`` (or SLURM/``RANK``), this process's shard K becomes shards
-    K*D .. K*D+D-1 of N*D. Exit status: the worst engine's; when this process is the whole job (N
-    is 1) and every engine succeeded, the parts are merged and checked against the input."""
+    """``speccompat extract --data-parallel-size D`` / ``--ray``: D engines of ``--tp-size`` GPUs,
+    each the same command (``script`` with ``argv``) for one shard. ``args``: the job
+    (``speccompat.dataset.extract.ExtractConfig``, or an object with its attributes). Within a job
+    of N shards given by ``--num-shards``/``--shard-index`` (or SLURM/``RANK``), this process's
+    shard K becomes shards K*D .. K*D+D-1 of N*D. Exit status: the worst engine's; when this
+    process is the whole job (N is 1) and every engine succeeded, the parts are merged and checked
+    against the input."""
     from .dataset.errors import Rejected
     from .dataset.shards import resolve_shard
 

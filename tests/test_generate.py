@@ -101,3 +101,16 @@ def test_a_failing_step_aborts_every_request_and_drops_the_capture(engine):
     with pytest.raises(StepFailed):
         generator.compat_generate(engine, [[7]])
     assert engine.scheduler.finished[-1] == (["req_1_0"], "aborted")
+
+
+def test_a_kv_cache_too_small_is_a_setting_not_a_transient_failure(engine):
+    """Nothing can be scheduled: the error is its own type (the driver stops and names the setting
+    instead of failing every sample and asking to re-run), with the longest sequence."""
+    from speccompat.errors import HiddenStatesError, KVCacheTooSmall
+
+    engine.scheduler.schedule = lambda: types.SimpleNamespace(total_num_scheduled_tokens=0)
+    with pytest.raises(KVCacheTooSmall, match="2 remaining sequence.s. of up to 3 tokens: the KV cache is too small") as e:
+        generator.compat_generate(engine, [[1, 2, 3], [4, 5]])
+    assert isinstance(e.value, HiddenStatesError) and e.value.longest == 3
+    assert "gpu_memory_utilization" in str(e.value)
+    assert engine.scheduler.finished == [(["req_0_0", "req_0_1"], "aborted")]

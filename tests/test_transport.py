@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -221,3 +222,40 @@ def test_a_free_file_too_small_is_replaced_not_kept(monkeypatch):
         assert float(out[3, -1, -1]) == 3.0
     finally:
         staging.release()
+
+
+@pytest.mark.parametrize("kind", ["reply", "staging"])
+def test_shared_memory_files_are_reserved_not_sparse(monkeypatch, tmp_path, kind):
+    """Two engines on a host could both pass the free-space check with sparse files and then die of
+    SIGBUS writing into a full /dev/shm: the pages are reserved when the file is made."""
+    monkeypatch.setattr(transport, "_SHM", str(tmp_path))
+    monkeypatch.setattr(transport, "_shm_has_room", lambda nbytes: True)
+    shape = (4, 5000, 256)  # 10 MB of bf16
+    if kind == "reply":
+        desc, _ = transport.allocate(shape, torch.bfloat16)
+    else:
+        staging = transport.Staging()
+        desc, _ = staging.allocate(shape, torch.bfloat16, "cpu")
+    st = os.stat(desc["file"])
+    assert st.st_blocks * 512 >= 4 * 5000 * 256 * 2
+    if kind == "staging":
+        staging.release()
+    else:
+        transport.discard(desc)
+
+
+def test_a_dev_shm_that_fills_up_after_the_check_replies_inline(monkeypatch, tmp_path):
+    monkeypatch.setattr(transport, "_SHM", str(tmp_path))
+    monkeypatch.setattr(transport, "_shm_has_room", lambda nbytes: True)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transport.os, "posix_fallocate", full)
+    layers = [torch.ones(5000, 256) for _ in range(4)]
+    desc = transport.pack(layers)
+    assert "inline" in desc and torch.equal(transport.unpack(desc)[2], layers[2])
+    staging = transport.Staging()
+    desc, buf = staging.allocate((4, 5000, 256), torch.float32, "cpu")
+    assert "inline" in desc and buf.shape == (4, 5000, 256)
+    assert list(tmp_path.iterdir()) == []

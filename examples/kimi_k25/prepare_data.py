@@ -33,6 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from speccompat.dataset.extract import positive_int
+
 logger = logging.getLogger("prepare_data")
 
 
@@ -50,21 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Jinja chat template file (default: the tokenizer's own)")
     ap.add_argument("--trust-remote-code", action="store_true",
                     help="allow the tokenizer's own code (needed for Kimi-K2.5)")
-    ap.add_argument("--limit", type=_positive_int, default=None, help="stop after N written samples")
+    ap.add_argument("--limit", type=positive_int, default=None, help="stop after N written samples")
     ap.add_argument("--on-bad-line", choices=("skip", "fail"), default="fail",
                     help="unusable lines: skip them with a warning, or stop (nothing written)")
     ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO")
     return ap.parse_args(argv)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def load_tokenizer(args: argparse.Namespace) -> Any:

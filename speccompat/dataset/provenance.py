@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["INFORMATIONAL", "LAYER_MEANING", "ModelInfo", "collect", "differences", "digest", "model_identity",
-           "read_model_info", "tokenizer_identity"]
+           "read_model_info", "tokenizer_identity", "weights_identity"]
 
 #: Keys (dotted) that may differ between runs of one data set. ``hidden_states.layers`` is derived
 #: from ``hidden_states.layer_ids`` (compared) and absent from data sets written before it was recorded.
@@ -81,9 +81,74 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+#: Bytes read per sampled block of a tensor (see :func:`weights_identity`).
+SAMPLE_BLOCK = 4096
+#: Name and version of the identity method, stored with the digest: a change of method is a change.
+IDENTITY_METHOD = "safetensors-header+tensor-blocks-v1"
+
+
+def _sample_ranges(start: int, end: int, block: int = SAMPLE_BLOCK) -> list[tuple[int, int]]:
+    """Byte ranges sampled from one tensor's data ``[start, end)``: its first, middle and last
+    ``block`` bytes (the whole tensor when it is at most three blocks long)."""
+    if end - start <= 3 * block:
+        return [(start, end)] if end > start else []
+    mid = start + ((end - start) // 2 // block) * block
+    return [(start, start + block), (mid, mid + block), (end - block, end)]
+
+
+def _safetensors_digest(path: Path) -> str:
+    """SHA-256 of a safetensors file's header (tensor names, dtypes, shapes, offsets, metadata) and,
+    for every tensor, of its first, middle and last :data:`SAMPLE_BLOCK` bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError(f"{path}: shorter than a safetensors header")
+        n = int.from_bytes(raw_len, "little")
+        header = f.read(n)
+        if len(header) != n:
+            raise ValueError(f"{path}: truncated safetensors header")
+        try:
+            entries = json.loads(header)
+        except ValueError as exc:
+            raise ValueError(f"{path}: safetensors header is not JSON ({exc})") from None
+        h.update(raw_len + header)
+        base = 8 + n
+        fd = f.fileno()
+        for name in sorted(k for k in entries if k != "__metadata__"):
+            try:
+                begin, end = (int(x) for x in entries[name]["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets") from None
+            for a, b in _sample_ranges(base + begin, base + end):
+                h.update(os.pread(fd, b - a, a))
+    return h.hexdigest()
+
+
+def weights_identity(files: list[Path]) -> dict[str, Any]:
+    """The identity of a checkpoint's weight files, from their content.
+
+    Per file: its name, its size, and a digest of its content. A ``.safetensors`` file's digest
+    covers the whole header (every tensor's name, dtype, shape and offsets, and the metadata) and,
+    for every tensor, its first, middle and last 4 KiB (the whole tensor when it is at most 12 KiB):
+    every tensor contributes bytes, so negating, replacing or re-quantising any tensor changes
+    the identity, while a 600 GB checkpoint is read only a few bytes per tensor. An edit confined
+    to the unsampled interior of a large tensor is not seen. Other weight formats (``.bin``, ``.pt``,
+    ``.pth``, ``.gguf``: pickles cannot be read without running them) are hashed in full.
+    """
+    h = hashlib.sha256()
+    total = 0
+    for p in sorted(files, key=lambda q: q.name):
+        size = p.stat().st_size
+        total += size
+        digest = _safetensors_digest(p) if p.name.endswith(".safetensors") else _sha256_file(p)
+        h.update(f"{p.name}\0{size}\0{digest}\n".encode())
+    return {"files": len(files), "bytes": total, "method": IDENTITY_METHOD, "content_sha256": h.hexdigest()}
+
+
 def model_identity(model_path: str) -> dict[str, Any]:
-    """SHA-256 of config.json, and of the weight files' names and sizes (and of the weight index
-    when there is one): cheap for a 600 GB checkpoint, and any re-quantisation or re-shard changes it."""
+    """SHA-256 of config.json, the content identity of the weight files (:func:`weights_identity`)
+    and the SHA-256 of the weight index when there is one."""
     d = _local_dir(model_path)
     out: dict[str, Any] = {"path": str(model_path)}
     if d is None:
@@ -91,12 +156,14 @@ def model_identity(model_path: str) -> dict[str, Any]:
         return out
     cfg = d / "config.json"
     out["config_sha256"] = _sha256_file(cfg) if cfg.is_file() else None
-    weights = sorted((p.name, p.stat().st_size) for p in d.iterdir()
-                     if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith("training_"))
-    h = hashlib.sha256()
-    for name, size in weights:
-        h.update(f"{name}\0{size}\n".encode())
-    out["weights"] = {"files": len(weights), "bytes": sum(s for _, s in weights), "names_sizes_sha256": h.hexdigest()}
+    weights = [p for p in d.iterdir()
+               if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith("training_")]
+    try:
+        out["weights"] = weights_identity(weights)
+    except (OSError, ValueError) as exc:
+        from .errors import Rejected
+
+        raise Rejected(f"cannot identify the weights of {model_path}: {exc}") from exc
     for index in _WEIGHT_INDEXES:
         if (d / index).is_file():
             out["weights"]["index_sha256"] = _sha256_file(d / index)

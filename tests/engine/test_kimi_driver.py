@@ -376,6 +376,17 @@ def test_refusals_come_before_any_engine_and_touch_nothing(shared, tmp_path):
         if mounted:
             subprocess.run(["umount", str(ro)], capture_output=True)
 
+    text = json.loads((shared.model / "config.json").read_text())
+    text = text.get("text_config", text)
+    limit, heads = text["max_position_embeddings"], text["num_attention_heads"]
+    fresh = tmp_path / "refused"
+    proc = run_driver(shared.model, shared.data, fresh, "--on-bad-line", "skip", "--max-seq-len", str(limit),
+                      "--tp-size", str(heads + 1))  # settings config.json decides: before apply() or any engine
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"--max-seq-len {limit}: the engine gets max_model_len = max_seq_len + 1 = {limit + 1}" in proc.stderr
+    assert f"--tp-size {heads + 1}: the model's {heads} attention heads" in proc.stderr
+    assert "speccompat: armed" not in proc.stderr and not fresh.exists()  # apply() was not called
+
     proc = run_driver(shared.model, shared.data, shared.out, "--on-bad-line", "skip")  # nothing to do
     assert proc.returncode == 0 and "nothing to do" in proc.stderr, proc.stderr[-3000:]
     for p in (proc,):

@@ -1,0 +1,495 @@
+"""``speccompat extract``: the hidden states of tokenized samples, one file each (EAGLE-3 step 2).
+
+Arguments -> :class:`ExtractConfig` -> checks (:func:`preflight`: what config.json decides, before
+anything starts or is written) -> samples -> generator -> writer. speculators'
+``VllmHiddenStatesGenerator`` (made to work on this vLLM by ``speccompat.apply()``) runs batches of
+``--batch-size`` samples; the data-set machinery (``speccompat.dataset``) checks the input, the
+output directory and what produced it before the engine starts, writes each sample in the
+background while the engine computes the next batch, and resumes. The example drivers
+(``examples/kimi_k25/extract_hidden_states.py``, ``examples/llama/``) run this command.
+
+    speccompat extract --model-path /models/Kimi-K2.5 --prepared-data data.jsonl \
+        --output-dir hs/ --tp-size 8 --layer-ids 2 30 58 60 --batch-size 2 --max-seq-len 2048
+
+Exit status: 0 every sample has its file; 1 some samples failed, the engine failed or the disk
+filled up (finished files are kept: re-run to resume; a KV cache too small for the samples is a
+setting to change, named in the message); 2 refused before any engine started or anything was
+written; 130 interrupted.
+
+Only the standard library is imported at module level: vLLM's workers start with ``spawn`` and
+re-import the script that runs this, which must stay cheap and side-effect free. Imports are
+absolute so that this file also runs as a script (``speccompat.parallel`` starts one per engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = "Extract EAGLE-3 training hidden states (one file per sample)."
+
+logger = logging.getLogger("speccompat.extract")
+#: Per-layer statistics are logged for this many samples at the start of a run.
+STATS_SAMPLES = 3
+#: A progress line at most this often (and after the last batch).
+PROGRESS_EVERY_S = 30.0
+
+
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(ap)
+    return ap.parse_args(argv)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The flags of ``speccompat extract`` (and of the example drivers, which are this command)."""
+    ap.add_argument("--model-path", required=True, help="checkpoint directory (or hub id) of the target model")
+    ap.add_argument("--prepared-data", required=True, type=Path,
+                    help='JSONL from prepare_data.py: {"id", "input_ids", "loss_mask"?} per line')
+    ap.add_argument("--output-dir", required=True, type=Path, help="the data set; re-running resumes")
+    ap.add_argument("--format", choices=("safetensors", "speculators"), default="safetensors",
+                    help="safetensors: <id>.safetensors per sample; speculators: data_<i>.pt and "
+                         "data_config.json as speculators' own data_generation_offline.py writes them")
+    ap.add_argument("--batch-size", type=positive_int, default=2, help="sequences per generate() call")
+    ap.add_argument("--max-seq-len", type=positive_int, default=2048,
+                    help="longest sequence kept whole (the engine gets max_model_len = this + 1)")
+    ap.add_argument("--tp-size", type=positive_int, default=1, help="tensor parallel size (GPUs)")
+    ap.add_argument("--gpu-memory-utilization", type=_fraction, default=0.8,
+                    help="fraction of GPU memory vLLM may use (on CPU: use a small value, e.g. 0.1)")
+    ap.add_argument("--layer-ids", type=int, nargs="+", default=None,
+                    help="decoder layers to capture; default: speculators' choice [2, L//2, L-3, L-1]")
+    ap.add_argument("--limit", type=positive_int, default=None, help="use only the first N valid samples")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="start the data set anew: redo every sample, also when the model or settings changed")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                    help="dtype of the saved hidden states (the model runs in its checkpoint dtype)")
+    ap.add_argument("--on-bad-line", choices=("skip", "fail"), default="fail",
+                    help="corrupt input lines: skip them with a warning, or stop before the engine starts")
+    ap.add_argument("--on-long-line", choices=("truncate", "skip", "fail"), default="truncate",
+                    help="lines longer than --max-seq-len: keep the first max-seq-len tokens, skip, or stop")
+    ap.add_argument("--writer-threads", type=positive_int, default=4, help="threads writing files")
+    ap.add_argument("--max-in-flight-gb", type=float, default=8.0,
+                    help="results not yet written that may be held in memory before the engine waits")
+    ap.add_argument("--token-freq-path", type=Path, default=None,
+                    help="--format speculators: token-frequency file (default: <output-dir>.token_freq.pt)")
+    ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO")
+    ap.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bar (it shows on a terminal when tqdm is installed)")
+    sc = ap.add_argument_group("scale-out (docs/scale-out.md)")
+    sc.add_argument("--num-shards", type=positive_int, default=None,
+                    help="split the input into N shards by a hash of each id (when not given: SLURM_ARRAY_TASK_COUNT, "
+                         "else WORLD_SIZE, else 1); every shard writes its own manifest part into --output-dir")
+    sc.add_argument("--shard-index", type=int, default=None,
+                    help="this process's shard, 0..N-1 (when not given: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, "
+                         "else RANK)")
+    sc.add_argument("--data-parallel-size", type=positive_int, default=1,
+                    help="engines of --tp-size GPUs each, one shard each, side by side on this host "
+                         "(or Ray actors with --ray); the data set is merged when all have finished")
+    sc.add_argument("--engines-per-gpu", type=positive_int, default=1,
+                    help="engines sharing each group of --tp-size GPUs (a model much smaller than a GPU); "
+                         "give each its share with --gpu-memory-utilization (at most 1/N)")
+    sc.add_argument("--ray", action="store_true",
+                    help="run the --data-parallel-size engines as Ray actors on an existing cluster")
+    sc.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
+                    help="the Ray cluster (host:port, auto, or local: a one-node cluster in this process)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    """One extraction job (the flags of ``speccompat extract``)."""
+
+    model_path: str
+    prepared_data: Path
+    output_dir: Path
+    format: str = "safetensors"
+    batch_size: int = 2
+    max_seq_len: int = 2048
+    tp_size: int = 1
+    gpu_memory_utilization: float = 0.8
+    layer_ids: list[int] | None = None
+    limit: int | None = None
+    overwrite: bool = False
+    dtype: str = "bfloat16"
+    on_bad_line: str = "fail"
+    on_long_line: str = "truncate"
+    writer_threads: int = 4
+    max_in_flight_gb: float = 8.0
+    token_freq_path: Path | None = None
+    log_level: str = "INFO"
+    num_shards: int | None = None
+    shard_index: int | None = None
+    data_parallel_size: int = 1
+    engines_per_gpu: int = 1
+    ray: bool = False
+    ray_address: str = "auto"
+    progress: bool = True
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ExtractConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    @property
+    def max_model_len(self) -> int:
+        """What the engine gets: speculators keeps max_model_len - 1 tokens (one slot is reserved for
+        the single sampled token), so +1 keeps sequences of exactly ``max_seq_len`` whole."""
+        return self.max_seq_len + 1
+
+
+#: config.json keys vLLM takes the model's longest sequence from (the smallest present wins).
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                 "model_max_length")
+
+
+#: RoPE types whose ``factor`` does not lengthen the model's limit (vLLM's ``_get_and_verify_max_len``).
+_UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def max_model_len_limit(model_config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None) -> Any:
+    """``(limit, what)``: the longest max_model_len vLLM accepts for this config (its rule: the
+    smallest length key of config.json, the tokenizer's ``model_max_length``, times a RoPE scaling
+    factor), or ``None`` when config.json names no length."""
+    text = model_config.get("text_config") or model_config
+    limits = {f"config.json {k}": text[k] for k in _MAX_LEN_KEYS if isinstance(text.get(k), int) and text[k] > 0}
+    tok = (tokenizer_config or {}).get("model_max_length")
+    if isinstance(tok, int) and tok > 0:
+        limits["tokenizer_config.json model_max_length"] = tok
+    if not limits:
+        return None
+    key, limit = min(limits.items(), key=lambda kv: kv[1])
+    rope = text.get("rope_scaling") or text.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("factor"), (int, float)) and \
+            rope.get("rope_type", rope.get("type")) not in _UNSCALED_ROPE:
+        return int(limit * rope["factor"]), f"{key} {limit} x the RoPE scaling factor {rope['factor']}"
+    return limit, f"{key} {limit}"
+
+
+def preflight(cfg: ExtractConfig, model_config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None,
+              ) -> list[str]:
+    """What config.json already decides about the settings, checked before any engine starts or
+    anything is written: each problem names the flag, the value, the model's fact and a value that
+    works. ``model_config``: config.json as a dict (``tokenizer_config``: tokenizer_config.json)."""
+    text = model_config.get("text_config") or model_config
+    problems = []
+    found = max_model_len_limit(model_config, tokenizer_config)
+    if found and cfg.max_model_len > found[0] and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") in ("", "0"):
+        problems.append(
+            f"--max-seq-len {cfg.max_seq_len}: the engine gets max_model_len = max_seq_len + 1 = "
+            f"{cfg.max_model_len}, more than the model allows ({found[1]}), which vLLM refuses; "
+            f"use --max-seq-len {found[0] - 1} or less")
+    heads = text.get("num_attention_heads")
+    if isinstance(heads, int) and heads > 0 and heads % cfg.tp_size:
+        problems.append(f"--tp-size {cfg.tp_size}: the model's {heads} attention heads (num_attention_heads) are "
+                        f"not divisible by it; use one of {_divisors(heads)}")
+    kv = text.get("num_key_value_heads")
+    if isinstance(kv, int) and 0 < kv != heads and (kv % cfg.tp_size if kv >= cfg.tp_size else cfg.tp_size % kv):
+        problems.append(f"--tp-size {cfg.tp_size}: the model's {kv} KV heads (num_key_value_heads) can neither be "
+                        f"split over it nor replicated evenly; use a divisor or a multiple of {kv}")
+    return problems
+
+
+def machine_problems(cfg: ExtractConfig) -> list[str]:
+    """What this machine decides: ``--tp-size`` GPUs must be visible (when ``CUDA_VISIBLE_DEVICES``
+    says which; several engines are checked where they are placed, ``speccompat.parallel``)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or cfg.ray or cfg.data_parallel_size > 1:
+        return []
+    n = len([d for d in visible.split(",") if d.strip()])
+    if n and cfg.tp_size > n:
+        return [f"--tp-size {cfg.tp_size}: only {n} GPU(s) are visible (CUDA_VISIBLE_DEVICES={visible})"]
+    return []
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
+
+
+def _tokenizer_config(model_path: str) -> dict[str, Any] | None:
+    import json
+
+    try:
+        return json.loads((Path(model_path) / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_settings(cfg: ExtractConfig) -> Any:
+    """:func:`preflight` on the model's config.json, and the layer ids against its layers; raises
+    ``Rejected`` naming every problem. Returns ``(ModelInfo, layer ids)``."""
+    from speccompat.dataset import Rejected, read_model_info
+    from speccompat.layers import LayerIdsError, _config_dict, resolve_layer_ids
+
+    info = read_model_info(cfg.model_path)
+    problems = preflight(cfg, _config_dict(cfg.model_path), _tokenizer_config(cfg.model_path))
+    problems += machine_problems(cfg)
+    try:
+        layer_ids = resolve_layer_ids(cfg.layer_ids, info.num_layers)
+    except LayerIdsError as exc:
+        problems.append(f"--layer-ids: {exc}")
+        layer_ids = []
+    if problems:
+        raise Rejected("the settings do not fit the model (nothing was started or written):\n  "
+                       + "\n  ".join(problems))
+    return info, layer_ids
+
+
+def start_generator(args: ExtractConfig, layer_ids: list[int]) -> Any:
+    """speculators' generator (speccompat was applied before); this starts vLLM's workers."""
+    from speculators.data_generation import VllmHiddenStatesGenerator
+
+    logger.info("starting the engine: %s, TP %d, layers %s, max_model_len %d", args.model_path, args.tp_size,
+                layer_ids, args.max_model_len)
+    return VllmHiddenStatesGenerator(
+        args.model_path, layer_ids=layer_ids,
+        max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tp_size)
+
+
+def stop_generator(gen: Any) -> None:
+    executor = getattr(gen, "executor", None)
+    if executor is not None:
+        gen.executor = None
+        with contextlib.suppress(Exception):
+            executor.shutdown()
+
+
+def generate(gen: Any, batch: list[Any]) -> list[Any]:
+    """Results of one batch, in order. A batch rejected by speccompat's validation is retried one
+    sample at a time, so one bad sample does not take its neighbours down. A call with steps whose
+    token ids could not be verified against the prompts (``unverified_steps``) fails its samples.
+    A KV cache too small for one sample alone (``KVCacheTooSmall``) is raised: it is a setting."""
+    from speccompat.errors import HiddenStatesError, KVCacheTooSmall
+
+    try:
+        # copy=False (speccompat's generate): views of the worker's shared-memory buffer, written to
+        # disk straight from there; the buffer is not reused while the writer still holds them
+        results = gen.generate([list(s.input_ids) for s in batch], copy=False)
+    except HiddenStatesError as exc:
+        if len(batch) == 1:
+            if isinstance(exc, KVCacheTooSmall):
+                raise
+            return [exc]
+        logger.warning("a batch of %d failed validation (%s); retrying one by one", len(batch), exc)
+        return [generate(gen, [s])[0] for s in batch]
+    unverified = (getattr(gen, "_speccompat_stats", None) or {}).get("unverified_steps", 0)
+    if unverified:
+        exc = HiddenStatesError(f"{unverified} engine step(s) of this batch could not be verified against the "
+                                "prompts (unverified_steps): its hidden states may belong to other tokens")
+        return [exc] * len(batch)
+    return results
+
+
+def log_layer_stats(sample: Any, layer_ids: list[int], states: list[Any]) -> None:
+    for i, h in zip(layer_ids, states, strict=True):
+        x = h.float()
+        logger.info("stats id %r layer %d: min %.4g max %.4g mean %.4g std %.4g", sample.id, i, x.min().item(),
+                    x.max().item(), x.mean().item(), x.std().item())
+
+
+def extract(args: ExtractConfig) -> int:
+    import speccompat
+    from speccompat.dataset import (
+        EXIT_FAILED,
+        EXIT_OK,
+        Rejected,
+        WriterFailed,
+        collect_provenance,
+        open_dataset,
+        report_scan,
+        scan_jsonl,
+    )
+    from speccompat.dataset.fsutil import human
+    from speccompat.dataset.shards import open_shard, resolve_shard
+    from speccompat.errors import KVCacheTooSmall
+    from speccompat.layers import describe_for_training
+
+    started = time.monotonic()
+    info, layer_ids = check_settings(args)
+    shard = resolve_shard(args.num_shards, args.shard_index)
+    if shard.num_shards > 1:
+        logger.info("%s", shard)
+    status = speccompat.apply()  # cheap: imports neither torch nor vLLM
+    if status.state not in ("armed", "active"):
+        raise Rejected(f"speccompat could not adapt this installation ({status.state}): "
+                       + "; ".join(status.warnings + status.errors))
+    scan = scan_jsonl(args.prepared_data, vocab_size=info.vocab_size, max_seq_len=args.max_seq_len,
+                      on_bad=args.on_bad_line, on_long=args.on_long_line, limit=args.limit)
+    report_scan(scan, args.max_seq_len)
+    prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=layer_ids, dtype=args.dtype,
+                              max_seq_len=args.max_seq_len, on_long_line=args.on_long_line,
+                              tensor_parallel_size=args.tp_size, layout=args.format, status=status)
+    if shard.num_shards > 1:
+        ds = open_shard(args.output_dir, scan.samples, prov, shard, overwrite=args.overwrite,
+                        speculators_version=status.speculators.get("raw"))
+    else:
+        ds = open_dataset(args.output_dir, scan.samples, prov, overwrite=args.overwrite,
+                          speculators_version=status.speculators.get("raw"))
+    ds.extra.update(train_data_path=str(args.prepared_data), gpu_memory_utilization=args.gpu_memory_utilization,
+                    max_samples=args.limit)
+    if not ds.todo:
+        if shard.num_shards == 1:
+            ds.finish(args.token_freq_path)
+        logger.info("nothing to do: every sample%s has an intact file in %s",
+                    f" of shard {shard.index} of {shard.num_shards}" if shard.num_shards > 1 else "", args.output_dir)
+        print(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
+        return EXIT_OK
+
+    t0 = time.monotonic()
+    try:
+        gen = start_generator(args, layer_ids)
+    except Exception:
+        logger.exception("the engine did not start (nothing was written)")
+        return EXIT_FAILED
+    engine_s = time.monotonic() - t0
+    logger.info("engine ready in %.1f s", engine_s)
+    failed: list[str] = []
+    tokens = written = 0
+    code = EXIT_OK
+    writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
+    loop_start = last_log = time.monotonic()
+    bar = _progress_bar(args, ds.todo)
+    try:
+        for first in range(0, len(ds.todo), args.batch_size):
+            batch = ds.todo[first:first + args.batch_size]
+            jobs = []
+            for sample, result in zip(batch, generate(gen, batch), strict=True):
+                if isinstance(result, Exception):
+                    failed.append(f"line {sample.line} id {sample.id!r}: {result}")
+                    logger.error("line %d id %r failed: %s (not written)", sample.line, sample.id, result)
+                    continue
+                if written + len(jobs) < STATS_SAMPLES:
+                    log_layer_stats(sample, layer_ids, result["hidden_states"])
+                jobs.append(ds.job(sample, result["hidden_states"]))
+            writer.submit(jobs)  # returns at once unless --max-in-flight-gb of results wait for the disk
+            written += len(jobs)
+            tokens += sum(j.sample.num_tokens for j in jobs)
+            if bar is not None:
+                bar.update(sum(s.num_tokens for s in batch))
+            now = time.monotonic()
+            if now - last_log >= PROGRESS_EVERY_S or first + len(batch) == len(ds.todo):
+                last_log = now
+                logger.info("progress: %d/%d samples, %.0f tokens/s", first + len(batch), len(ds.todo),
+                            tokens / (now - loop_start))
+        writer.close()
+    except WriterFailed as exc:
+        logger.error("%s", exc)
+        code = EXIT_FAILED
+    except KVCacheTooSmall as exc:
+        logger.error("%s. This is a setting, not a transient failure: re-running the same command fails the "
+                     "same way. Raise --gpu-memory-utilization (now %s), or lower --max-seq-len (now %d) or "
+                     "--batch-size (now %d); finished samples are kept", exc, args.gpu_memory_utilization,
+                     args.max_seq_len, args.batch_size)
+        code = EXIT_FAILED
+    except KeyboardInterrupt:
+        logger.error("interrupted; finished samples are kept, re-run to resume")
+        code = 130
+    except Exception:
+        logger.exception("the engine failed; finished samples are kept, re-run to resume")
+        code = EXIT_FAILED
+    finally:
+        if bar is not None:
+            bar.close()
+        stats = writer.close(raise_error=False)
+        stop_generator(gen)
+    loop_s = max(time.monotonic() - loop_start, 1e-9)
+    if code == EXIT_OK and shard.num_shards > 1:
+        logger.info("shard %d of %d done; when every shard is: speccompat merge %s --inputs %s", shard.index,
+                    shard.num_shards, args.output_dir, args.prepared_data)
+    elif code == EXIT_OK:
+        try:
+            ds.finish(args.token_freq_path)
+        except OSError as exc:
+            logger.error("cannot write the data set's side files in %s: %s; re-run to finish", args.output_dir, exc)
+            code = EXIT_FAILED
+    logger.info("summary: %d written, %d already done (skipped), %d failed; %d tokens in %.1f s (engine start "
+                "%.1f s, extraction %.1f s: %.0f tokens/s); %s written to %s (engine waited %.2f s for the writer)",
+                stats.files, ds.done, len(failed), tokens, time.monotonic() - started, engine_s, loop_s,
+                tokens / loop_s, human(stats.bytes), args.output_dir, stats.waited_s)
+    if failed:
+        logger.error("%d sample(s) failed; re-run the same command to retry them", len(failed))
+        return EXIT_FAILED
+    if code == EXIT_OK:
+        print(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
+    return code
+
+
+def _progress_bar(args: ExtractConfig, todo: list[Any]) -> Any:
+    """A tqdm bar over the tokens to extract (tokens/s and ETA), on a terminal when tqdm is installed."""
+    if not args.progress or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=sum(s.num_tokens for s in todo), unit="tok", unit_scale=True, desc="extract",
+                dynamic_ncols=True)
+
+
+def use_spawn() -> None:
+    """vLLM's GPU workers need ``spawn`` (a forked CUDA context is unusable); set before vLLM/torch load."""
+    import multiprocessing
+
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    with contextlib.suppress(RuntimeError):
+        multiprocessing.set_start_method("spawn")
+
+
+def main(argv: list[str] | None = None, *, script: Path | None = None, prog: str | None = None) -> int:
+    """The command. ``script``: the file ``--data-parallel-size``/``--ray`` start once per engine
+    (default: this module's file)."""
+    args = parse_args(argv, prog)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    from speccompat.dataset import EXIT_REJECTED, Rejected
+
+    cfg = ExtractConfig.from_args(args)
+    if cfg.ray or cfg.data_parallel_size > 1:
+        from speccompat.parallel import launch_engines
+
+        try:
+            check_settings(cfg)
+            return launch_engines(cfg, sys.argv[1:] if argv is None else argv, script or Path(__file__).resolve())
+        except Rejected as exc:
+            logger.error("%s", exc)
+            return EXIT_REJECTED
+    use_spawn()
+    try:
+        return extract(cfg)
+    except Rejected as exc:
+        logger.error("%s", exc)
+        return EXIT_REJECTED
+
+
+if __name__ == "__main__":  # vLLM's spawned workers re-import this file: nothing may run then
+    if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+        del sys.path[0]  # run as a file (one engine of --data-parallel-size): this folder's modules are no packages
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""``speccompat extract``: settings config.json decides are refused before anything starts or is
+written; a KV cache too small is a setting; unverified steps fail their samples (no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+from dataset_fakes import jsonl, model_dir, random_records
+
+from speccompat.dataset import extract as ex
+from speccompat.errors import HiddenStatesError, KVCacheTooSmall
+
+
+def cfg(**kw):
+    return ex.ExtractConfig(model_path="m", prepared_data="d.jsonl", output_dir="out", **kw)
+
+
+@pytest.mark.parametrize(("settings", "config", "problem"), [
+    ({}, {"max_position_embeddings": 2048},
+     "--max-seq-len 2048: the engine gets max_model_len = max_seq_len + 1 = 2049, more than the model allows "
+     "(config.json max_position_embeddings 2048), which vLLM refuses; use --max-seq-len 2047 or less"),
+    ({"tp_size": 8}, {"num_attention_heads": 4, "num_key_value_heads": 4},
+     "--tp-size 8: the model's 4 attention heads (num_attention_heads) are not divisible by it; use one of [1, 2, 4]"),
+    ({"tp_size": 4}, {"num_attention_heads": 12, "num_key_value_heads": 6},
+     "--tp-size 4: the model's 6 KV heads (num_key_value_heads) can neither be split over it nor replicated "
+     "evenly; use a divisor or a multiple of 6"),
+])
+def test_preflight_names_the_setting_and_a_value_that_works(settings, config, problem):
+    assert ex.preflight(cfg(**settings), config) == [problem]
+
+
+def test_preflight_accepts_settings_that_fit():
+    config = {"text_config": {"max_position_embeddings": 4096, "num_attention_heads": 8, "num_key_value_heads": 2}}
+    assert ex.preflight(cfg(max_seq_len=4095, tp_size=4), config) == []
+    assert ex.preflight(cfg(tp_size=8), {"num_attention_heads": 8, "num_key_value_heads": 2}) == []  # replicated
+    assert ex.preflight(cfg(max_seq_len=9000), {"max_position_embeddings": 2048,
+                                                "rope_scaling": {"type": "linear", "factor": 8}}) == []
+
+
+def test_the_length_limit_follows_vllms_rule():
+    limit = ex.max_model_len_limit
+    assert limit({"max_position_embeddings": 2048, "seq_length": 1024}) == (1024, "config.json seq_length 1024")
+    assert limit({"max_position_embeddings": 2048, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}) == \
+        (4096, "config.json max_position_embeddings 2048 x the RoPE scaling factor 2.0")
+    yarn = {"max_position_embeddings": 131072, "rope_scaling": {"type": "yarn", "factor": 32.0}}  # Kimi-K2
+    assert limit(yarn) == (131072, "config.json max_position_embeddings 131072")
+    assert limit({"max_position_embeddings": 4096}, {"model_max_length": 1000}) == \
+        (1000, "tokenizer_config.json model_max_length 1000")
+    assert limit({"hidden_size": 8}) is None
+    assert ex.preflight(cfg(max_seq_len=1000), {"max_position_embeddings": 4096}, {"model_max_length": 1000}) == [
+        "--max-seq-len 1000: the engine gets max_model_len = max_seq_len + 1 = 1001, more than the model allows "
+        "(tokenizer_config.json model_max_length 1000), which vLLM refuses; use --max-seq-len 999 or less"]
+
+
+def test_a_refused_command_exits_2_before_any_engine_and_writes_nothing(tmp_path, monkeypatch, caplog):
+    model = model_dir(tmp_path, max_position_embeddings=2048, num_attention_heads=4, num_key_value_heads=4)
+    data = jsonl(tmp_path / "d.jsonl", random_records(3))
+    out = tmp_path / "out"
+    monkeypatch.setattr(ex, "start_generator", lambda *a: pytest.fail("the engine must not start"))
+    code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
+                    "--tp-size", "8", "--layer-ids", "1", "9"])
+    assert code == 2 and not out.exists()
+    assert "--max-seq-len 2048" in caplog.text and "--tp-size 8" in caplog.text
+    assert "--layer-ids:" in caplog.text and "nothing was started or written" in caplog.text
+
+
+class Gen:
+    def __init__(self, *outcomes):
+        self.outcomes, self.calls = list(outcomes), []
+
+    def generate(self, ids, copy=True):
+        self.calls.append(len(ids))
+        out = self.outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        self._speccompat_stats = {"unverified_steps": out}
+        return [{"hidden_states": [i]} for i in range(len(ids))]
+
+
+def samples(n):
+    return [types.SimpleNamespace(input_ids=[1, 2, 3], num_tokens=3) for _ in range(n)]
+
+
+def test_a_call_with_unverified_steps_fails_its_samples():
+    [a, b] = ex.generate(Gen(2), samples(2))
+    assert isinstance(a, HiddenStatesError) and a is b and "2 engine step(s) of this batch could not be verified" in str(a)
+    assert [r["hidden_states"] for r in ex.generate(Gen(0), samples(2))] == [[0], [1]]
+
+
+def test_a_kv_cache_too_small_for_one_sample_is_raised_not_failed_per_sample():
+    small = KVCacheTooSmall("too small", longest=3)
+    gen = Gen(small, 0, small)
+    with pytest.raises(KVCacheTooSmall):
+        ex.generate(gen, samples(2))  # the batch, then sample 1 alone (fits), then sample 2 alone (does not)
+    assert gen.calls == [2, 1, 1]
+
+
+def test_the_run_stops_on_a_kv_cache_too_small_and_names_the_settings(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("torch", reason="the data set's writer")
+    import speccompat
+
+    model = model_dir(tmp_path)
+    data = jsonl(tmp_path / "d.jsonl", random_records(6))
+    status = types.SimpleNamespace(state="armed", warnings=[], errors=[], speculators={"raw": "0.4.0.1"},
+                                   as_dict=lambda: {"state": "armed", "vllm": {"raw": "0.32.0"}})
+    monkeypatch.setattr(speccompat, "apply", lambda **kw: status)
+    gen = Gen(*[KVCacheTooSmall("the KV cache is too small for them", longest=30)] * 3)
+    monkeypatch.setattr(ex, "start_generator", lambda *a: gen)
+    code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(tmp_path / "o"),
+                    "--layer-ids", "1", "2", "4", "5", "--gpu-memory-utilization", "0.0001", "--no-progress"])
+    assert code == 1 and gen.calls == [2, 1]  # stopped at the first sample that cannot fit alone
+    assert "re-running the same command fails the same way" in caplog.text
+    assert "Raise --gpu-memory-utilization (now 0.0001)" in caplog.text
+    assert "re-run the same command to retry" not in caplog.text
+    assert json.loads((tmp_path / "o" / "manifest.jsonl").read_text().splitlines()[0])["speccompat_dataset"] == 1
+
+
+def run_command(tmp_path, command, *flags, env=None, path=()):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    model = model_dir(tmp_path, max_position_embeddings=512, num_attention_heads=4, num_key_value_heads=4)
+    data = jsonl(tmp_path / "d.jsonl", random_records(3))
+    head = ([str(repo / "examples" / "kimi_k25" / "extract_hidden_states.py")] if command == "example"
+            else ["-m", "speccompat", "extract"])
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECCOMPAT_")}
+    return subprocess.run([sys.executable, *head, "--model-path", str(model), "--prepared-data", str(data),
+                           "--output-dir", str(tmp_path / "out"), *flags], capture_output=True, text=True,
+                          env={**environ, "PYTHONPATH": os.pathsep.join([*map(str, path), str(repo)]), **(env or {})}, timeout=120, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("command", ["example", "cli"])
+def test_the_example_driver_and_the_cli_are_the_command(tmp_path, command):
+    """examples/kimi_k25/extract_hidden_states.py and ``speccompat extract`` run the same command:
+    a refusal there is exit 2 before speccompat.apply() or any engine, and nothing is written."""
+    proc = run_command(tmp_path, command, "--tp-size", "3")
+    assert proc.returncode == 2, proc.stderr
+    assert "--max-seq-len 2048: the engine gets max_model_len = max_seq_len + 1 = 2049" in proc.stderr
+    assert "--tp-size 3: the model's 4 attention heads" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_bad_vllm_version_override_is_refused_naming_the_variable(tmp_path):
+    from fakes import write_fake_speculators
+
+    site = tmp_path / "site"
+    write_fake_speculators(site, "0.4.0.1")
+    proc = run_command(tmp_path, "cli", "--max-seq-len", "64", "--layer-ids", "1", "2",
+                       env={"SPECCOMPAT_VLLM_VERSION": "garbage"}, path=[site])
+    assert proc.returncode == 2, proc.stderr
+    assert "SPECCOMPAT_VLLM_VERSION='garbage' is not a version: set it to a vLLM release version" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_tp_size_needs_that_many_visible_gpus(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert ex.machine_problems(cfg(tp_size=4)) == ["--tp-size 4: only 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=0,1)"]
+    assert ex.machine_problems(cfg(tp_size=2)) == []
+    assert ex.machine_problems(cfg(tp_size=4, data_parallel_size=2)) == []  # placed by speccompat.parallel
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert ex.machine_problems(cfg(tp_size=4)) == []
+
+
+def test_the_progress_bar_counts_tokens_on_a_terminal_only(monkeypatch):
+    import sys
+
+    made = []
+    fake = types.ModuleType("tqdm")
+    fake.tqdm = lambda **kw: made.append(kw) or kw
+    monkeypatch.setitem(sys.modules, "tqdm", fake)
+    todo = samples(4)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    bar = ex._progress_bar(cfg(), todo)
+    assert bar["total"] == 12 and bar["unit"] == "tok" and bar["unit_scale"] is True  # tokens/s and ETA
+    assert ex._progress_bar(cfg(progress=False), todo) is None
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: log lines only
+    assert ex._progress_bar(cfg(), todo) is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert ex._progress_bar(cfg(), todo) is None and len(made) == 1
