@@ -77,8 +77,9 @@ class Adapter(prev.Adapter):
             Symbol("vllm.utils.hashing:get_hash_fn_by_name", accepts=("hash_fn_name",)),
             Symbol(f"{EXEC}.collective_rpc", accepts=("method", "args", "unique_reply_rank",
                                                       "kv_output_aggregator"), why="unique_reply: bare"),
-            Symbol(f"{EXEC}.execute_model", accepts=("scheduler_output", "non_block"), why="submit"),
-            Symbol(f"{EXEC}.sample_tokens", accepts=("grammar_output", "non_block"), why="submit: two phases"),
+            Symbol(f"{EXEC}.execute_model", accepts=("non_block",), positional=("scheduler_output",), why="submit"),
+            Symbol(f"{EXEC}.sample_tokens", accepts=("non_block",), positional=("grammar_output",),
+                   why="submit: two phases"),
         ],
     )
     # 0.11.0's location of get_hash_fn_by_name is no longer part of the fingerprint.

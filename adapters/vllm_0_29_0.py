@@ -31,11 +31,11 @@ class Adapter(prev.Adapter):
     requires = fingerprint(
         prev.Adapter.requires,
         [
-            Symbol(LAYOUT, accepts=("vllm_config", "supported_layouts", "kv_cache_specs"), new=True,
+            Symbol(LAYOUT, positional=("vllm_config", "supported_layouts", "kv_cache_specs"), new=True,
                    why="after_executor_start: layout"),
             Symbol(f"{EXEC}.get_supported_kv_cache_layouts"),
             Symbol(f"{EXEC}.get_kv_cache_specs"),
-            Symbol(f"{EXEC}.set_kv_cache_layout", accepts=("layout_name",),
+            Symbol(f"{EXEC}.set_kv_cache_layout", positional=("layout_name",),
                    rejects=("cp_kv_cache_interleave_size",), why="publish_layout"),
         ],
     )

@@ -36,6 +36,17 @@ class Adapter(prev.Adapter):
             how="publish_layout() passes parallel_config.cp_kv_cache_interleave_size, as EngineCore",
             remove_when="never for speculators 0.3/0.4",
         ),
+        Change(
+            vllm="0.33.0",
+            what="Kimi-K3 (KimiK3ForConditionalGeneration, vllm/models/kimi_k3/nvidia/model.py:683) brings "
+            "a decoder layer, KimiDecoderLayer, whose forward returns (hidden_states, prefix_sum, residual) "
+            "(model.py:846-931), with its own aux-stream capture",
+            breaks="a capture that sums output[0] + output[1] would store hidden_states + prefix_sum: "
+            "plausible but wrong states, with nothing raised",
+            how="its output convention is not declared (layer_outputs), so the capture refuses the model "
+            "when the generator starts, naming KimiDecoderLayer and what it returns",
+            remove_when="when its stream is measured against a reference and its convention declared",
+        ),
     )
     requires = fingerprint(
         prev.Adapter.requires,
@@ -44,9 +55,9 @@ class Adapter(prev.Adapter):
             Symbol(f"{PLANNING}:get_kv_cache_config_from_groups",
                    accepts=("vllm_config", "kv_cache_groups", "available_memory"),
                    rejects=("kv_cache_specs",), why="kv_cache_config_from_groups"),
-            Symbol(f"{PLANNING}:_get_kv_cache_groups_uniform_spec", accepts=("kv_cache_specs",)),
-            Symbol(f"{PLANNING}:unify_hybrid_kv_cache_specs", accepts=("kv_cache_spec",)),
-            Symbol(f"{EXEC}.set_kv_cache_layout", accepts=("layout_name", "cp_kv_cache_interleave_size"),
+            Symbol(f"{PLANNING}:_get_kv_cache_groups_uniform_spec", positional=("kv_cache_specs",)),
+            Symbol(f"{PLANNING}:unify_hybrid_kv_cache_specs", positional=("kv_cache_spec",)),
+            Symbol(f"{EXEC}.set_kv_cache_layout", positional=("layout_name", "cp_kv_cache_interleave_size"),
                    why="publish_layout"),
         ],
     )

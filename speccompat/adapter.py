@@ -64,6 +64,10 @@ class Adapter:
     #: The fingerprint: every vLLM symbol the operations rely on, keyed by path. Subclasses merge
     #: their parent's with :func:`speccompat.probe.fingerprint`.
     requires: ClassVar[dict[str, Symbol]] = {}
+    #: Decoder-layer classes whose output convention is known in this range: ``"module:Class"`` ->
+    #: a key of :data:`speccompat.capture.CONVENTIONS` (``None``: no longer known). Subclasses merge
+    #: their parent's: ``{**prev.Adapter.layer_outputs, ...}``.
+    layer_outputs: ClassVar[dict[str, str | None]] = {}
 
     @classmethod
     def name(cls) -> str:
@@ -160,6 +164,17 @@ class Adapter:
         """The step's token ids from the runner's own buffers, for models called with
         ``inputs_embeds`` and ``input_ids=None`` (multimodal); ``None`` when they cannot be read."""
         raise NotImplementedError
+
+    def layer_convention(self, layer_cls: type) -> str | None:
+        """The output convention of decoder-layer class ``layer_cls`` (``None``: unknown, and the
+        capture refuses the model). A subclass that inherits ``forward`` unchanged from a declared
+        class follows its convention; one that overrides it must be declared itself."""
+        forward = getattr(layer_cls, "forward", None)
+        for klass in layer_cls.__mro__:
+            path = f"{klass.__module__}:{klass.__qualname__}"
+            if path in self.layer_outputs and getattr(klass, "forward", None) is forward:
+                return self.layer_outputs[path]
+        return None
 
     def gather_layer_output(self, stream: Any, num_tokens_padded: int, tp_size: int) -> Any:
         """A decoder layer's output for every token of the step (sequence-parallel shards gathered)."""
