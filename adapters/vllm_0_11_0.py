@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from speccompat.adapter import UPSTREAM_BLOCK_SIZE, Change, Done
 from speccompat.adapter import Adapter as _Base
-from speccompat.adapter import Change, Done
 from speccompat.errors import DriftError, HiddenStatesError
 from speccompat.probe import Symbol, fingerprint
 
@@ -33,6 +33,7 @@ class Adapter(_Base):
     changes = (
         Change(
             vllm="0.11.0",
+            upstream=UPSTREAM_BLOCK_SIZE,
             what="CacheConfig.block_size defaults to None and the platform picks it "
             "(vllm/platforms/cpu.py: 128 with IPEX, else 16; later releases differ per backend)",
             breaks="speculators passes block_size=16 to CacheConfig and to Scheduler: rejected by "
@@ -44,6 +45,7 @@ class Adapter(_Base):
         ),
         Change(
             vllm="0.11.0",
+            upstream="none: speculators 0.4 disables it itself (CacheConfig(enable_prefix_caching=False)); 0.3.0 gets no fix",
             what="V1 enables prefix caching by default (CacheConfig.enable_prefix_caching)",
             breaks="speculators 0.3.0 does not disable it; hidden states of repeated prefixes "
             "could come from KV computed in an earlier call",

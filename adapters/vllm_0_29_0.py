@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speccompat.adapter import Change
+from speccompat.adapter import UPSTREAM_REPLACED, Change
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_28_0 as prev
@@ -18,6 +18,7 @@ class Adapter(prev.Adapter):
     changes = (
         Change(
             vllm="0.29.0",
+            upstream=UPSTREAM_REPLACED,
             what="get_kv_cache_config_from_groups reads cache_config.get_resolved_kv_cache_layout(), "
             "which raises until the engine ran resolve_kv_cache_layout(...) and "
             "executor.set_kv_cache_layout(...) (vllm/v1/core/kv_cache_utils.py:1435; "

@@ -22,7 +22,25 @@ from packaging.version import Version
 
 from .probe import Symbol
 
-__all__ = ["Adapter", "Change", "Done"]
+__all__ = ["Adapter", "Change", "Done", "upstream_problem"]
+
+
+#: ``upstream`` of records that share one: the speculators PR that listed the 0.11 -> 0.12 drift,
+#: and the reasons there is no upstream fix to point at.
+UPSTREAM_SP225 = "https://github.com/vllm-project/speculators/pull/225"
+UPSTREAM_REPLACED = ("none: speculators 0.5 replaced this generator with vLLM's extract_hidden_states "
+                     "(https://github.com/vllm-project/speculators/issues/335); 0.3/0.4 get no upstream fix")
+UPSTREAM_CPU_ROTARY = "none: the CPU rotary op's strided multi-head query case is not reported upstream yet"
+UPSTREAM_BLOCK_SIZE = "none: vLLM lets each platform pick the block size by design; speculators 0.3/0.4 hard-code 16"
+
+
+def upstream_problem(upstream: str) -> str | None:
+    """What is wrong with a record's ``upstream`` (``None``: a GitHub PR/issue URL or ``"none: why"``)."""
+    if upstream.startswith("https://github.com/") and ("/pull/" in upstream or "/issues/" in upstream):
+        return None
+    if upstream.startswith("none: ") and len(upstream) > len("none: ") + 10:
+        return None
+    return f"upstream {upstream!r} is neither a GitHub PR/issue URL nor 'none: <why>'"
 
 
 class Change(NamedTuple):
@@ -31,6 +49,8 @@ class Change(NamedTuple):
     ``vllm``: the release that introduced it. ``what``: the change in vLLM, with evidence
     (file:line of that release). ``breaks``: what it does to speculators 0.3/0.4 without
     speccompat. ``how``: what the adapter does about it. ``remove_when``: when the code can go.
+    ``upstream``: the vLLM/speculators PR or issue URL, or ``"none: <why>"`` (required by the docs
+    check, :func:`upstream_problem`).
     """
 
     vllm: str
@@ -38,6 +58,7 @@ class Change(NamedTuple):
     breaks: str
     how: str
     remove_when: str
+    upstream: str = ""
 
     def as_dict(self) -> dict[str, str]:
         return dict(self._asdict())

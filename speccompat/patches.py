@@ -19,6 +19,7 @@ from typing import Any
 
 from . import patching
 from ._state import STATE
+from .adapter import UPSTREAM_BLOCK_SIZE, UPSTREAM_CPU_ROTARY, UPSTREAM_REPLACED, UPSTREAM_SP225
 from .errors import SpeccompatError, WorkerPatchError
 from .patching import Patch
 
@@ -148,6 +149,7 @@ def _speculators_line(ctx: Any) -> str:
 PYDANTIC = (
     Patch(
         id="pydantic.reload_schema",
+        upstream="none: a pydantic >= 2.13 / transformers 5 interaction, no upstream report found",
         target=f"{PYDANTIC_MODULE}:ReloadableBaseModel.reload_schema",
         why="with pydantic >= 2.13 (and transformers 5) `import speculators` fails: "
         "PydanticUndefinedAnnotation: name 'torch' is not defined, raised by "
@@ -169,6 +171,7 @@ def _reload_schema(cls: Any) -> None:
 GENERATOR = (
     Patch(
         id="generator.VllmConfig",
+        upstream=UPSTREAM_CPU_ROTARY,
         target=f"{GEN_MODULE}:VllmConfig",
         why="engine settings speculators cannot express: on vLLM's CPU platform (0.28+) MLA models "
         "need the native rotary embedding (the CPU rotary op mis-rotates DeepSeek's strided q_pe, "
@@ -180,6 +183,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.CacheConfig",
+        upstream=UPSTREAM_BLOCK_SIZE,
         target=f"{GEN_MODULE}:CacheConfig",
         why="speculators hard-codes block_size=16 (CPU attention from vLLM 0.30 rejects it, CPU MLA "
         "forces 16, CUDA MLA backends want 64) and 0.3.0 leaves prefix caching on",
@@ -190,6 +194,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.SchedulerConfig",
+        upstream=UPSTREAM_SP225,
         target=f"{GEN_MODULE}:SchedulerConfig",
         why="is_encoder_decoder: unknown in 0.11.0, required from 0.12.0 (0.3.0 omits it); "
         "async scheduling must be off for a hand-driven synchronous Scheduler",
@@ -200,6 +205,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.get_kv_cache_config_from_groups",
+        upstream=UPSTREAM_SP225,
         target=f"{GEN_MODULE}:get_kv_cache_config_from_groups",
         why="kv_cache_specs required until 0.11.2 and rejected from 0.12.0; the resolved KV layout "
         "must travel with the config from 0.29.0",
@@ -210,6 +216,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.Scheduler",
+        upstream=UPSTREAM_SP225,
         target=f"{GEN_MODULE}:Scheduler",
         why="block_size: required from 0.11.1 (0.3.0 omits it) and must be the size vLLM "
         "resolved, not speculators' constant 16",
@@ -220,6 +227,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.Request",
+        upstream=UPSTREAM_REPLACED,
         target=f"{GEN_MODULE}:Request",
         why="Request(eos_token_id=) is a TypeError from vLLM 0.17.0",
         how="adapter.request()",
@@ -229,6 +237,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.MultiprocExecutor",
+        upstream=UPSTREAM_REPLACED,
         target=f"{GEN_MODULE}:MultiprocExecutor",
         why="the engine core resolves the KV layout (0.29.0+) and warms the model up (0.27.0+) "
         "around the executor; speculators' driver does neither. Workers must run speccompat too",
@@ -240,6 +249,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.mem_get_info",
+        upstream="none: speculators 0.3/0.4 target CUDA; vLLM's CPU backend is speccompat's addition",
         target=f"{GEN_MODULE}:mem_get_info",
         why="speculators 0.4's mem_get_info returns (0, 0) without an accelerator: no KV blocks on CPU",
         how="speccompat.platform.mem_get_info (host memory on vLLM's CPU platform)",
@@ -250,6 +260,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.torch",
+        upstream="none: speculators 0.3/0.4 target CUDA; vLLM's CPU backend is speccompat's addition",
         target=f"{GEN_MODULE}:torch",
         why="speculators 0.3.0 calls torch.cuda.mem_get_info(): 'Found no NVIDIA driver' on CPU",
         how="the module's `torch` name becomes a proxy whose cuda.mem_get_info/empty_cache follow "
@@ -261,6 +272,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.AutoTokenizer",
+        upstream="none: no upstream report found",
         target=f"{GEN_MODULE}:AutoTokenizer",
         why="speculators loads the tokenizer with AutoTokenizer.from_pretrained(model_path) but "
         "without trust_remote_code (which it passes to AutoConfig and ModelConfig): Kimi-K2.5 ships "
@@ -272,6 +284,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.__init__",
+        upstream="none: validation speculators never had; no upstream report found",
         target=f"{GEN_CLASS}.__init__",
         why="duplicate or non-integer layer ids are accepted and produce duplicated/misnamed layers",
         how="wrapt wrapper that rejects them before any engine starts",
@@ -281,6 +294,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.generate",
+        upstream="https://github.com/vllm-project/speculators/pull/365",
         target=f"{GEN_CLASS}.generate",
         why="silent data bugs on every vLLM: only 32 sequences admitted per call, results in sorted "
         "request-id order, no sample_tokens (0.3.0), no validation",
@@ -292,6 +306,7 @@ GENERATOR = (
     ),
     Patch(
         id="generator.__del__",
+        upstream="none: an interpreter-exit error, no upstream report found",
         target=f"{GEN_CLASS}.__del__",
         why="at interpreter exit speculators' __del__ raises AttributeError ('NoneType' object has "
         "no attribute 'warning') from its logger",
@@ -305,6 +320,7 @@ GENERATOR = (
 WORKER = (
     Patch(
         id="worker._setup_hidden_states_capture",
+        upstream="https://github.com/vllm-project/speculators/issues/279",
         target=f"{EXT_CLASS}._setup_hidden_states_capture",
         why="speculators replaces the base model's forward with a copy that drifts from vLLM's "
         "(embed_input_ids 0.11.1, llama_4_scaling 0.12.0, get_language_model shapes 0.15/0.16, "
@@ -318,6 +334,7 @@ WORKER = (
     ),
     Patch(
         id="worker._reset_capture",
+        upstream="https://github.com/vllm-project/speculators/issues/279",
         target=f"{EXT_CLASS}._reset_capture",
         why="pairs with the capture above",
         how="speccompat.capture.reset_capture",
@@ -327,6 +344,7 @@ WORKER = (
     ),
     Patch(
         id="worker._get_captured_states",
+        upstream="https://github.com/vllm-project/speculators/issues/279",
         target=f"{EXT_CLASS}._get_captured_states",
         why="speculators slices by metadata it cannot verify; 0.3.0 returns one blob per layer",
         how="speccompat.capture.get_captured_states: verified per-request states, packed per layer",
@@ -336,6 +354,7 @@ WORKER = (
     ),
     Patch(
         id="worker._speccompat_info",
+        upstream="none: speccompat's own check that spawned workers are patched",
         target=f"{EXT_CLASS}._speccompat_info",
         why="with spawned workers, patches applied in the driver do not exist in the workers",
         how="an RPC the driver calls right after the workers start, to check they run speccompat "
