@@ -45,7 +45,8 @@ class Adapter(_Base):
         ),
         Change(
             vllm="0.11.0",
-            upstream="none: speculators 0.4 disables it itself (CacheConfig(enable_prefix_caching=False)); 0.3.0 gets no fix",
+            upstream="none: speculators 0.4 disables it itself (CacheConfig(enable_prefix_caching=False)); "
+            "0.3.0 gets no fix",
             what="V1 enables prefix caching by default (CacheConfig.enable_prefix_caching)",
             breaks="speculators 0.3.0 does not disable it; hidden states of repeated prefixes "
             "could come from KV computed in an earlier call",

@@ -287,11 +287,12 @@ def check_release(version: str, root: str | Path, spec_imports: dict[str, list] 
     # The release's own facts about every symbol any adapter relies on, and about the parameters
     # any adapter names (the unit tests build fake vLLM packages from these facts).
     symbols = [s for a in all_adapters() for s in fingerprint(a).values()]
+    paths = {s.path for s in symbols}
     named = {p for s in symbols for p in (*s.accepts, *s.rejects, *(n for w in s.positional for n in w.split("|")))}
-    result["facts"] = facts({s.path for s in symbols}, root, named)
+    result["facts"] = facts(paths, root, named)
     # The full signature of every fingerprinted callable: positional order, keyword-only after
     # "*", "=" marks a default (so a new required parameter shows here and in the fingerprint).
-    result["signatures"] = {path: params.render() for path, params in signatures({s.path for s in symbols}, root).items()
+    result["signatures"] = {path: params.render() for path, params in signatures(paths, root).items()
                             if not isinstance(params, bool)}
     result["layer_outputs"] = layer_outputs(selected, root)
     return result
