@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from speccompat.adapter import UPSTREAM_BLOCK_SIZE, Change, Done
 from speccompat.adapter import Adapter as _Base
-from speccompat.adapter import Change, Done
 from speccompat.errors import DriftError, HiddenStatesError
 from speccompat.probe import Symbol, fingerprint
 
@@ -25,6 +25,7 @@ EXEC = "vllm.v1.executor.multiproc_executor:MultiprocExecutor"
 SCHED = "vllm.v1.core.sched.scheduler:Scheduler"
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 SCHED_OUT = "vllm.v1.core.sched.output"
+MODELS = "vllm.model_executor.models"
 
 
 class Adapter(_Base):
@@ -32,6 +33,7 @@ class Adapter(_Base):
     changes = (
         Change(
             vllm="0.11.0",
+            upstream=UPSTREAM_BLOCK_SIZE,
             what="CacheConfig.block_size defaults to None and the platform picks it "
             "(vllm/platforms/cpu.py: 128 with IPEX, else 16; later releases differ per backend)",
             breaks="speculators passes block_size=16 to CacheConfig and to Scheduler: rejected by "
@@ -43,6 +45,8 @@ class Adapter(_Base):
         ),
         Change(
             vllm="0.11.0",
+            upstream="none: speculators 0.4 disables it itself (CacheConfig(enable_prefix_caching=False)); "
+            "0.3.0 gets no fix",
             what="V1 enables prefix caching by default (CacheConfig.enable_prefix_caching)",
             breaks="speculators 0.3.0 does not disable it; hidden states of repeated prefixes "
             "could come from KV computed in an earlier call",
@@ -68,52 +72,75 @@ class Adapter(_Base):
             Symbol(f"{KV}:get_kv_cache_config_from_groups",
                    accepts=("vllm_config", "kv_cache_groups", "kv_cache_specs", "available_memory"),
                    why="kv_cache_config_from_groups"),
-            Symbol(f"{KV}:_get_kv_cache_groups_uniform_spec", accepts=("kv_cache_specs",)),
-            Symbol(f"{KV}:unify_hybrid_kv_cache_specs", accepts=("kv_cache_spec",)),
-            Symbol(f"{KV}:get_request_block_hasher", why="speculators 0.4 imports it"),
-            Symbol(f"{KV}:init_none_hash", accepts=("hash_fn",)),
-            Symbol("vllm.utils:get_hash_fn_by_name", accepts=("hash_fn_name",),
+            Symbol(f"{KV}:_get_kv_cache_groups_uniform_spec", positional=("kv_cache_specs",)),
+            Symbol(f"{KV}:unify_hybrid_kv_cache_specs", positional=("kv_cache_spec",)),
+            Symbol(f"{KV}:get_request_block_hasher", positional=("block_size|hash_block_size", "caching_hash_fn"),
+                   why="speculators 0.4 calls it"),
+            Symbol(f"{KV}:init_none_hash", positional=("hash_fn",)),
+            Symbol("vllm.utils:get_hash_fn_by_name", positional=("hash_fn_name",),
                    why="speculators 0.4 imports it from vllm.utils.hashing (moved_names)"),
             Symbol(SCHED, accepts=("vllm_config", "kv_cache_config", "structured_output_manager"),
                    rejects=("block_size",), why="scheduler"),
             Symbol(f"{SCHED}.schedule"),
-            Symbol(f"{SCHED}.add_request", accepts=("request",)),
-            Symbol(f"{SCHED}.update_from_output", accepts=("scheduler_output", "model_runner_output"),
+            Symbol(f"{SCHED}.add_request", positional=("request",)),
+            Symbol(f"{SCHED}.update_from_output", positional=("scheduler_output", "model_runner_output"),
                    why="generate: finish each request when its prefill is done"),
-            Symbol(f"{SCHED}.finish_requests", accepts=("request_ids", "finished_status")),
+            Symbol(f"{SCHED}.finish_requests", positional=("request_ids", "finished_status")),
             Symbol("vllm.v1.request:Request", accepts=("request_id", "prompt_token_ids", "sampling_params",
                                                        "pooling_params", "eos_token_id", "arrival_time",
                                                        "block_hasher"), why="request"),
             Symbol("vllm.v1.request:RequestStatus.FINISHED_ABORTED"),
             Symbol("vllm.v1.structured_output:StructuredOutputManager", accepts=("vllm_config",)),
-            Symbol(EXEC, why="executor"),
-            Symbol(f"{EXEC}.collective_rpc", accepts=("method", "args", "unique_reply_rank"),
+            Symbol(EXEC, accepts=("vllm_config",), why="executor"),
+            Symbol(f"{EXEC}.collective_rpc", accepts=("method", "args", "unique_reply_rank"), positional=("method",),
                    rejects=("kv_output_aggregator",), why="unique_reply: list reply"),
-            Symbol(f"{EXEC}.execute_model", accepts=("scheduler_output",), why="submit"),
+            Symbol(f"{EXEC}.execute_model", positional=("scheduler_output",), why="submit"),
             Symbol(f"{EXEC}.sample_tokens", absent=True, why="execute: one phase"),
-            Symbol(f"{EXEC}.initialize_from_config", accepts=("kv_cache_configs",)),
+            Symbol(f"{EXEC}.initialize_from_config", positional=("kv_cache_configs",)),
             Symbol(f"{EXEC}.shutdown"),
             Symbol("vllm.v1.worker.gpu_worker:Worker.get_kv_cache_spec",
                    why="speculators' __init__ calls collective_rpc('get_kv_cache_spec')"),
             Symbol("vllm.distributed:get_tp_group", why="worker capture: TP rank 0 keeps the states"),
             Symbol("vllm.distributed:get_pp_group", why="speculators' worker module imports it"),
-            Symbol("vllm.sequence:IntermediateTensors", why="speculators' worker module imports it"),
-            Symbol("vllm.model_executor.models.interfaces:supports_eagle3",
-                   why="speculators 0.3.0's worker module imports it"),
-            Symbol("vllm.distributed:tensor_model_parallel_all_gather", why="worker capture: SP shards"),
+            Symbol("vllm.sequence:IntermediateTensors", called=False, why="speculators' worker module imports it"),
+            Symbol("vllm.model_executor.models.interfaces:supports_eagle3", positional=("model",),
+                   why="speculators 0.3.0's worker module calls it"),
+            Symbol("vllm.distributed:tensor_model_parallel_all_gather", positional=("input_", "dim"),
+                   why="worker capture: SP shards"),
             Symbol("vllm.platforms:current_platform"),
             # Worker side: what speccompat.capture reads of the runner and the scheduler output.
-            Symbol(f"{RUNNER}.execute_model", accepts=("scheduler_output",), why="worker: capture wraps it"),
+            Symbol(f"{RUNNER}.execute_model", accepts=("scheduler_output",), called=False,
+                   why="worker: capture wraps it"),
             Symbol("vllm.v1.worker.gpu_input_batch:InputBatch.req_ids", why="worker: batch_order (V1 runner)"),
             Symbol(f"{SCHED_OUT}:SchedulerOutput", accepts=("scheduled_new_reqs", "num_scheduled_tokens",
-                                                           "total_num_scheduled_tokens"), why="worker: step_of"),
-            Symbol(f"{SCHED_OUT}:NewRequestData", accepts=("req_id", "prompt_token_ids"), why="worker: step_of"),
-            Symbol("vllm.v1.utils:CpuGpuBuffer", accepts=("dtype", "device"),
+                                                           "total_num_scheduled_tokens"), called=False,
+                   why="worker: step_of"),
+            Symbol(f"{SCHED_OUT}:NewRequestData", accepts=("req_id", "prompt_token_ids"), called=False,
+                   why="worker: step_of"),
+            Symbol("vllm.v1.utils:CpuGpuBuffer", accepts=("dtype", "device"), called=False,
                    why="worker: step_token_ids reads runner.input_ids.gpu"),
             Symbol("vllm.model_executor.models.interfaces:SupportsMultiModal.get_language_model",
                    why="worker: decoder_layers under a multimodal wrapper"),
         ]
     )
+
+    # Decoder-layer classes of the architectures speccompat proves, by what their forward returns
+    # in this range (vllm/model_executor/models/<file>.py, ``return hidden_states, residual``).
+    layer_outputs = {
+        f"{MODELS}.{module}:{cls}": "hidden+residual"
+        for module, cls in (
+            ("llama", "LlamaDecoderLayer"),
+            ("mistral", "MistralDecoderLayer"),
+            ("llama4", "Llama4DecoderLayer"),
+            ("qwen2", "Qwen2DecoderLayer"),
+            ("qwen3", "Qwen3DecoderLayer"),
+            ("qwen3_moe", "Qwen3MoeDecoderLayer"),
+            ("deepseek_v2", "DeepseekV2DecoderLayer"),  # DeepseekV3, Kimi-K2/K2.5's language model
+            ("gemma3", "Gemma3DecoderLayer"),
+            ("glm4_moe", "Glm4MoeDecoderLayer"),
+            ("gpt_oss", "TransformerBlock"),  # ``return output, residual``
+        )
+    }
 
     # ------------------------------------------------------------------------------ import time
     def moved_names(self) -> dict[tuple[str, str], str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speccompat.adapter import Change
+from speccompat.adapter import UPSTREAM_SP225, Change
 from speccompat.errors import DriftError, HiddenStatesError
 from speccompat.probe import Symbol, fingerprint
 
@@ -17,6 +17,7 @@ class Adapter(prev.Adapter):
     changes = (
         Change(
             vllm="0.11.1",
+            upstream=UPSTREAM_SP225,
             what="Scheduler.__init__ gains a required block_size (vllm/v1/core/sched/scheduler.py:53)",
             breaks="speculators 0.3.0: TypeError",
             how="Scheduler is given the block size vLLM resolved (never speculators' constant)",
@@ -24,6 +25,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.11.1",
+            upstream="https://github.com/vllm-project/vllm/pull/26866",
             what="two-phase execution: execute_model() returns None and sample_tokens() must follow "
             "(vllm/v1/executor/multiproc_executor.py:265; gpu_model_runner.py:2631 raises "
             "'State error: sample_tokens() must be called after execute_model() returns None')",
@@ -34,6 +36,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.11.1",
+            upstream=UPSTREAM_SP225,
             what="collective_rpc(unique_reply_rank=r) returns the bare reply, not a one-element list "
             "(multiproc_executor.py:346 'return responses[0] if output_rank is not None')",
             breaks="speculators 0.3.0 takes [0] of the bare reply: the first layer's tensor is then "
@@ -43,6 +46,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.11.1",
+            upstream=UPSTREAM_SP225,
             what="base models rename get_input_embeddings to embed_input_ids "
             "(e.g. vllm/model_executor/models/llama.py)",
             breaks="speculators 0.3.0's replacement forward calls get_input_embeddings: AttributeError",
@@ -52,6 +56,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.11.1",
+            upstream="none: an internal module move; speculators 0.4 imports the new path",
             what="get_hash_fn_by_name moves from vllm.utils to vllm.utils.hashing",
             breaks="speculators 0.4.x imports vllm.utils.hashing: ImportError on 0.11.0",
             how="the 0.11.0 adapter serves the name from vllm.utils (moved_names)",
@@ -59,6 +64,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.11.1",
+            upstream=UPSTREAM_SP225,
             what="SchedulerConfig gains InitVars max_model_len and is_encoder_decoder "
             "(vllm/config/scheduler.py:85,91)",
             breaks="nothing yet (defaults exist until 0.12.0)",
@@ -77,8 +83,9 @@ class Adapter(prev.Adapter):
             Symbol("vllm.utils.hashing:get_hash_fn_by_name", accepts=("hash_fn_name",)),
             Symbol(f"{EXEC}.collective_rpc", accepts=("method", "args", "unique_reply_rank",
                                                       "kv_output_aggregator"), why="unique_reply: bare"),
-            Symbol(f"{EXEC}.execute_model", accepts=("scheduler_output", "non_block"), why="submit"),
-            Symbol(f"{EXEC}.sample_tokens", accepts=("grammar_output", "non_block"), why="submit: two phases"),
+            Symbol(f"{EXEC}.execute_model", accepts=("non_block",), positional=("scheduler_output",), why="submit"),
+            Symbol(f"{EXEC}.sample_tokens", accepts=("non_block",), positional=("grammar_output",),
+                   why="submit: two phases"),
         ],
     )
     # 0.11.0's location of get_hash_fn_by_name is no longer part of the fingerprint.

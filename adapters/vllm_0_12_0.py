@@ -13,7 +13,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from speccompat.adapter import Change
+from speccompat.adapter import UPSTREAM_REPLACED, UPSTREAM_SP225, Change
 from speccompat.errors import HiddenStatesError
 from speccompat.probe import Symbol, fingerprint
 
@@ -28,6 +28,7 @@ class Adapter(prev.Adapter):
     changes = (
         Change(
             vllm="0.12.0",
+            upstream=UPSTREAM_SP225,
             what="get_kv_cache_config_from_groups drops kv_cache_specs "
             "(vllm/v1/core/kv_cache_utils.py:1050)",
             breaks="speculators 0.3.0 passes kv_cache_specs=: TypeError",
@@ -36,6 +37,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.12.0",
+            upstream=UPSTREAM_SP225,
             what="SchedulerConfig InitVars max_model_len and is_encoder_decoder become required "
             "(vllm/config/scheduler.py:31,37)",
             breaks="speculators 0.3.0 does not pass is_encoder_decoder: TypeError",
@@ -44,6 +46,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.12.0",
+            upstream="none: no upstream report found; speculators' copied forward drops it silently",
             what="DeepseekV2DecoderLayer.forward(..., llama_4_scaling=None); DeepseekV2Model.forward "
             "computes it from config.llama_4_scaling (vllm/model_executor/models/deepseek_v2.py:1188,1324)",
             breaks="speculators' replacement forward calls layer(hidden_states=, positions=, residual=) "
@@ -53,6 +56,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.12.0",
+            upstream=UPSTREAM_REPLACED,
             what="model runner V2 appears (vllm/v1/worker/gpu/model_runner.py, opt-in): no persistent "
             "input_batch; prepare_inputs() builds an InputBatch per step (req_ids, input_ids) and "
             "warm-up runs execute_model(..., dummy_run=True)",
@@ -63,6 +67,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.15.0",
+            upstream="none: no upstream report found",
             what="kimi_k25.py appears; in 0.15.x KimiK25ForConditionalGeneration.get_language_model() "
             "returns a bare DeepseekV2Model, from 0.16.0 a DeepseekV2ForCausalLM",
             breaks="speculators 0.4 takes get_language_model().model: AttributeError on 0.15.x",
@@ -76,9 +81,11 @@ class Adapter(prev.Adapter):
             Symbol(f"{KV}:get_kv_cache_config_from_groups",
                    accepts=("vllm_config", "kv_cache_groups", "available_memory"),
                    rejects=("kv_cache_specs",), why="kv_cache_config_from_groups"),
-            Symbol(f"{RUNNER_V2}.prepare_inputs", accepts=("scheduler_output",), why="worker: watch_batch (V2)"),
-            Symbol(f"{RUNNER_V2}.execute_model", accepts=("scheduler_output",), why="worker: capture wraps it"),
-            Symbol("vllm.v1.worker.gpu.input_batch:InputBatch", accepts=("req_ids", "input_ids"),
+            Symbol(f"{RUNNER_V2}.prepare_inputs", accepts=("scheduler_output",), called=False,
+                   why="worker: watch_batch (V2)"),
+            Symbol(f"{RUNNER_V2}.execute_model", accepts=("scheduler_output",), called=False,
+                   why="worker: capture wraps it"),
+            Symbol("vllm.v1.worker.gpu.input_batch:InputBatch", accepts=("req_ids", "input_ids"), called=False,
                    why="worker: batch_order, step_token_ids (V2)"),
         ],
     )

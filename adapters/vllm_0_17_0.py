@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speccompat.adapter import Change
+from speccompat.adapter import UPSTREAM_REPLACED, Change
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_12_0 as prev
@@ -22,6 +22,7 @@ class Adapter(prev.Adapter):
     changes = (
         Change(
             vllm="0.17.0",
+            upstream=UPSTREAM_REPLACED,
             what="Request.__init__ drops eos_token_id (vllm/v1/request.py:60)",
             breaks="speculators 0.3/0.4 pass eos_token_id=: TypeError",
             how="request() drops the argument (stop conditions do not matter: max_tokens=1)",
@@ -29,6 +30,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.18.0",
+            upstream="none: an improvement in vLLM, not a defect",
             what="DeepseekV2/V3 and KimiK25 implement SupportsEagle3 "
             "(vllm/model_executor/models/deepseek_v2.py:1297)",
             breaks="before it, speculators 0.3.0's supports_eagle3() check rejects DeepSeek and Kimi",
@@ -37,6 +39,7 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.22.0",
+            upstream=UPSTREAM_REPLACED,
             what="model runner V2 becomes the default on GPU (Qwen3 at 0.22, Llama at 0.23, all dense "
             "at 0.25, every model at 0.29); it has no input_batch (vllm/v1/worker/gpu/model_runner.py)",
             breaks="speculators 0.4's _store_captured_states reads model_runner.input_batch: "

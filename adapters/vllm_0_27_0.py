@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speccompat.adapter import Change
+from speccompat.adapter import UPSTREAM_REPLACED, Change
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_17_0 as prev
@@ -16,6 +16,7 @@ class Adapter(prev.Adapter):
     changes = (
         Change(
             vllm="0.27.0",
+            upstream=UPSTREAM_REPLACED,
             what="Executor.initialize_from_config no longer runs compile_or_warm_up_model; "
             "EngineCore calls executor.compile_or_warm_up_model() itself "
             "(vllm/v1/executor/abstract.py:118, vllm/v1/engine/core.py:332)",

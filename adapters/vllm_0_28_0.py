@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speccompat.adapter import Change
+from speccompat.adapter import UPSTREAM_CPU_ROTARY, Change
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_27_0 as prev
@@ -15,6 +15,7 @@ class Adapter(prev.Adapter):
     changes = (
         Change(
             vllm="0.28.0",
+            upstream=UPSTREAM_CPU_ROTARY,
             what="a CPU MLA backend makes DeepseekV2/V3 (Kimi) runnable on vLLM's CPU platform "
             "(vllm/v1/attention/backends/mla/cpu_mla.py). MLA applies RoPE to q[..., qk_nope:], a "
             "strided [tokens, heads, 64] view; the CPU rotary custom op (RotaryEmbedding.forward_cpu "

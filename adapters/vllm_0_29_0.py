@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speccompat.adapter import Change
+from speccompat.adapter import UPSTREAM_REPLACED, Change
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_28_0 as prev
@@ -18,6 +18,7 @@ class Adapter(prev.Adapter):
     changes = (
         Change(
             vllm="0.29.0",
+            upstream=UPSTREAM_REPLACED,
             what="get_kv_cache_config_from_groups reads cache_config.get_resolved_kv_cache_layout(), "
             "which raises until the engine ran resolve_kv_cache_layout(...) and "
             "executor.set_kv_cache_layout(...) (vllm/v1/core/kv_cache_utils.py:1435; "
@@ -31,11 +32,11 @@ class Adapter(prev.Adapter):
     requires = fingerprint(
         prev.Adapter.requires,
         [
-            Symbol(LAYOUT, accepts=("vllm_config", "supported_layouts", "kv_cache_specs"), new=True,
+            Symbol(LAYOUT, positional=("vllm_config", "supported_layouts", "kv_cache_specs"), new=True,
                    why="after_executor_start: layout"),
             Symbol(f"{EXEC}.get_supported_kv_cache_layouts"),
             Symbol(f"{EXEC}.get_kv_cache_specs"),
-            Symbol(f"{EXEC}.set_kv_cache_layout", accepts=("layout_name",),
+            Symbol(f"{EXEC}.set_kv_cache_layout", positional=("layout_name",),
                    rejects=("cp_kv_cache_interleave_size",), why="publish_layout"),
         ],
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from speccompat.adapter import Change
+from speccompat.adapter import UPSTREAM_REPLACED, Change
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_29_0 as prev
@@ -19,6 +19,7 @@ class Adapter(prev.Adapter):
     changes = (
         Change(
             vllm="0.33.0",
+            upstream=UPSTREAM_REPLACED,
             what="get_kv_cache_config_from_groups, _get_kv_cache_groups_uniform_spec, "
             "unify_hybrid_kv_cache_specs move to vllm.v1.core.kv_cache_planning and are not "
             "re-exported by kv_cache_utils (vllm/v1/core/kv_cache_planning.py:642,314,853)",
@@ -30,11 +31,24 @@ class Adapter(prev.Adapter):
         ),
         Change(
             vllm="0.33.0",
+            upstream=UPSTREAM_REPLACED,
             what="Executor.set_kv_cache_layout(layout_name, cp_kv_cache_interleave_size) takes a "
             "required second argument (vllm/v1/executor/abstract.py:183)",
             breaks="the 0.29 layout step would raise TypeError",
             how="publish_layout() passes parallel_config.cp_kv_cache_interleave_size, as EngineCore",
             remove_when="never for speculators 0.3/0.4",
+        ),
+        Change(
+            vllm="0.33.0",
+            upstream="none: a new model's own output convention, not a defect",
+            what="Kimi-K3 (KimiK3ForConditionalGeneration, vllm/models/kimi_k3/nvidia/model.py:683) brings "
+            "a decoder layer, KimiDecoderLayer, whose forward returns (hidden_states, prefix_sum, residual) "
+            "(model.py:846-931), with its own aux-stream capture",
+            breaks="a capture that sums output[0] + output[1] would store hidden_states + prefix_sum: "
+            "plausible but wrong states, with nothing raised",
+            how="its output convention is not declared (layer_outputs), so the capture refuses the model "
+            "when the generator starts, naming KimiDecoderLayer and what it returns",
+            remove_when="when its stream is measured against a reference and its convention declared",
         ),
     )
     requires = fingerprint(
@@ -44,9 +58,9 @@ class Adapter(prev.Adapter):
             Symbol(f"{PLANNING}:get_kv_cache_config_from_groups",
                    accepts=("vllm_config", "kv_cache_groups", "available_memory"),
                    rejects=("kv_cache_specs",), why="kv_cache_config_from_groups"),
-            Symbol(f"{PLANNING}:_get_kv_cache_groups_uniform_spec", accepts=("kv_cache_specs",)),
-            Symbol(f"{PLANNING}:unify_hybrid_kv_cache_specs", accepts=("kv_cache_spec",)),
-            Symbol(f"{EXEC}.set_kv_cache_layout", accepts=("layout_name", "cp_kv_cache_interleave_size"),
+            Symbol(f"{PLANNING}:_get_kv_cache_groups_uniform_spec", positional=("kv_cache_specs",)),
+            Symbol(f"{PLANNING}:unify_hybrid_kv_cache_specs", positional=("kv_cache_spec",)),
+            Symbol(f"{EXEC}.set_kv_cache_layout", positional=("layout_name", "cp_kv_cache_interleave_size"),
                    why="publish_layout"),
         ],
     )

@@ -40,6 +40,7 @@ def render() -> str:
                 f"- **How**: {p.how}",
                 f"- **vLLM change**: {p.vllm_change}",
                 f"- **Remove when**: {p.remove_when}",
+                f"- **Upstream**: {p.upstream}",
                 "",
             ]
     from speccompat.api import REMOVED_NAMES
@@ -64,13 +65,32 @@ def render() -> str:
                 f"  - breaks: {c.breaks}",
                 f"  - handled: {c.how}",
                 f"  - remove when: {c.remove_when}",
+                f"  - upstream: {c.upstream}",
             ]
         fp = fingerprint(a)  # its requires + the next adapter's new symbols, required absent
         out += ["", f"Fingerprint ({len(fp)} symbols): " + ", ".join(f"`{s.describe()}`" for s in fp.values()), ""]
     return "\n".join(out)
 
 
+def missing_upstream() -> list[str]:
+    """Every patch and adapter change whose ``upstream`` is not a PR/issue URL or ``"none: <why>"``."""
+    from speccompat.adapter import upstream_problem
+    from speccompat.patches import GROUPS
+    from speccompat.registry import all_adapters
+
+    out = [f"patch {p.id}: {upstream_problem(p.upstream)}" for group in GROUPS.values() for p in group
+           if upstream_problem(p.upstream)]
+    for a in all_adapters():
+        out += [f"{a.name()} change (vLLM {c.vllm}) {c.what[:60]!r}...: {upstream_problem(c.upstream)}"
+                for c in vars(a).get("changes", ()) if upstream_problem(c.upstream)]
+    return out
+
+
 def main() -> int:
+    bad = missing_upstream()
+    if bad:
+        print("records without an upstream link:\n  " + "\n  ".join(bad), file=sys.stderr)
+        return 1
     text = render()
     if "--check" in sys.argv:
         if not OUT.exists() or OUT.read_text() != text:

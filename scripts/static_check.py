@@ -248,7 +248,7 @@ def check_release(version: str, root: str | Path, spec_imports: dict[str, list] 
     """The static result of one release (see the module docstring)."""
     from speccompat.probe import Symbol
     from speccompat.registry import all_adapters, by_version, fingerprint
-    from speccompat.static_probe import check_static, facts
+    from speccompat.static_probe import check_static, facts, signatures
 
     root = Path(root)
     selected = by_version(Version(version))
@@ -280,15 +280,43 @@ def check_release(version: str, root: str | Path, spec_imports: dict[str, list] 
         gaps = []
         for module, name, where in imports:
             target = moved.get((module, name), module)
-            if check_static([Symbol(f"{target}:{name}")], root):
+            if check_static([Symbol(f"{target}:{name}", called=False)], root):  # existence only
                 gaps.append(f"{module}:{name} ({where})")
         if gaps:
             result["import_gaps"][spec] = gaps
     # The release's own facts about every symbol any adapter relies on, and about the parameters
     # any adapter names (the unit tests build fake vLLM packages from these facts).
     symbols = [s for a in all_adapters() for s in fingerprint(a).values()]
-    result["facts"] = facts({s.path for s in symbols}, root, {p for s in symbols for p in (*s.accepts, *s.rejects)})
+    paths = {s.path for s in symbols}
+    named = {p for s in symbols for p in (*s.accepts, *s.rejects, *(n for w in s.positional for n in w.split("|")))}
+    result["facts"] = facts(paths, root, named)
+    # The full signature of every fingerprinted callable: positional order, keyword-only after
+    # "*", "=" marks a default (so a new required parameter shows here and in the fingerprint).
+    result["signatures"] = {path: params.render() for path, params in signatures(paths, root).items()
+                            if not isinstance(params, bool)}
+    result["layer_outputs"] = layer_outputs(selected, root)
     return result
+
+
+def layer_outputs(adapter: Any, root: Path) -> dict[str, str]:
+    """What the ``forward`` of each decoder-layer class the adapter declares returns in the sources
+    under ``root`` (``absent``: no such class in this release), checked against the declared
+    convention's arity: ``"ok: (hidden_states, residual)"`` or ``"MISMATCH: ..."``."""
+    from speccompat.capture import CONVENTIONS
+    from speccompat.probe import Symbol
+    from speccompat.static_probe import resolve
+
+    out = {}
+    for path, conv in sorted(adapter.layer_outputs.items()):
+        hit = resolve(Symbol(f"{path}.forward"), root)
+        if conv is None or hit is None or not isinstance(hit[1], (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[path] = "absent" if resolve(Symbol(path), root) is None else "forward not found"
+            continue
+        returns = [n.value for n in ast.walk(hit[1]) if isinstance(n, ast.Return) and n.value is not None]
+        shapes = {len(r.elts) if isinstance(r, ast.Tuple) else 0 for r in returns}
+        text = " or ".join(dict.fromkeys(ast.unparse(r) for r in returns))
+        out[path] = f"ok: {text}" if shapes == {CONVENTIONS[conv].arity} else f"MISMATCH ({conv}): {text}"
+    return out
 
 
 def _needed(patch: Any, spec_version: str) -> str | None:
@@ -388,6 +416,9 @@ def failures(doc: dict) -> list[str]:
             out.append(f"vLLM {v}: {r['adapter']} fingerprint does not match")
         if r["other_matches"]:
             out.append(f"vLLM {v}: also matched by {', '.join(r['other_matches'])}")
+        for path, verdict in r.get("layer_outputs", {}).items():
+            if verdict.startswith("MISMATCH") or verdict == "forward not found":
+                out.append(f"vLLM {v}: decoder layer {path}: {verdict}")
         for spec, gaps in r.get("import_gaps", {}).items():
             out.append(f"vLLM {v}: speculators {spec} imports unresolved: {', '.join(gaps)}")
     for s, r in doc["speculators_side"].items():

@@ -22,7 +22,25 @@ from packaging.version import Version
 
 from .probe import Symbol
 
-__all__ = ["Adapter", "Change", "Done"]
+__all__ = ["Adapter", "Change", "Done", "upstream_problem"]
+
+
+#: ``upstream`` of records that share one: the speculators PR that listed the 0.11 -> 0.12 drift,
+#: and the reasons there is no upstream fix to point at.
+UPSTREAM_SP225 = "https://github.com/vllm-project/speculators/pull/225"
+UPSTREAM_REPLACED = ("none: speculators 0.5 replaced this generator with vLLM's extract_hidden_states "
+                     "(https://github.com/vllm-project/speculators/issues/335); 0.3/0.4 get no upstream fix")
+UPSTREAM_CPU_ROTARY = "none: the CPU rotary op's strided multi-head query case is not reported upstream yet"
+UPSTREAM_BLOCK_SIZE = "none: vLLM lets each platform pick the block size by design; speculators 0.3/0.4 hard-code 16"
+
+
+def upstream_problem(upstream: str) -> str | None:
+    """What is wrong with a record's ``upstream`` (``None``: a GitHub PR/issue URL or ``"none: why"``)."""
+    if upstream.startswith("https://github.com/") and ("/pull/" in upstream or "/issues/" in upstream):
+        return None
+    if upstream.startswith("none: ") and len(upstream) > len("none: ") + 10:
+        return None
+    return f"upstream {upstream!r} is neither a GitHub PR/issue URL nor 'none: <why>'"
 
 
 class Change(NamedTuple):
@@ -31,6 +49,8 @@ class Change(NamedTuple):
     ``vllm``: the release that introduced it. ``what``: the change in vLLM, with evidence
     (file:line of that release). ``breaks``: what it does to speculators 0.3/0.4 without
     speccompat. ``how``: what the adapter does about it. ``remove_when``: when the code can go.
+    ``upstream``: the vLLM/speculators PR or issue URL, or ``"none: <why>"`` (required by the docs
+    check, :func:`upstream_problem`).
     """
 
     vllm: str
@@ -38,6 +58,7 @@ class Change(NamedTuple):
     breaks: str
     how: str
     remove_when: str
+    upstream: str = ""
 
     def as_dict(self) -> dict[str, str]:
         return dict(self._asdict())
@@ -64,6 +85,10 @@ class Adapter:
     #: The fingerprint: every vLLM symbol the operations rely on, keyed by path. Subclasses merge
     #: their parent's with :func:`speccompat.probe.fingerprint`.
     requires: ClassVar[dict[str, Symbol]] = {}
+    #: Decoder-layer classes whose output convention is known in this range: ``"module:Class"`` ->
+    #: a key of :data:`speccompat.capture.CONVENTIONS` (``None``: no longer known). Subclasses merge
+    #: their parent's: ``{**prev.Adapter.layer_outputs, ...}``.
+    layer_outputs: ClassVar[dict[str, str | None]] = {}
 
     @classmethod
     def name(cls) -> str:
@@ -160,6 +185,17 @@ class Adapter:
         """The step's token ids from the runner's own buffers, for models called with
         ``inputs_embeds`` and ``input_ids=None`` (multimodal); ``None`` when they cannot be read."""
         raise NotImplementedError
+
+    def layer_convention(self, layer_cls: type) -> str | None:
+        """The output convention of decoder-layer class ``layer_cls`` (``None``: unknown, and the
+        capture refuses the model). A subclass that inherits ``forward`` unchanged from a declared
+        class follows its convention; one that overrides it must be declared itself."""
+        forward = getattr(layer_cls, "forward", None)
+        for klass in layer_cls.__mro__:
+            path = f"{klass.__module__}:{klass.__qualname__}"
+            if path in self.layer_outputs and getattr(klass, "forward", None) is forward:
+                return self.layer_outputs[path]
+        return None
 
     def gather_layer_output(self, stream: Any, num_tokens_padded: int, tp_size: int) -> Any:
         """A decoder layer's output for every token of the step (sequence-parallel shards gathered)."""

@@ -8,8 +8,9 @@ calls ``get_input_embeddings`` (renamed in 0.11.1). It orders tokens through
 
 Here vLLM's own forward always runs. Capture is three small, removable attachments:
 
-- a forward hook on each requested decoder layer: the layer's output ``hidden_states + residual``
-  is the residual stream after that layer, before any final norm (the last layer included);
+- a forward hook on each requested decoder layer: the layer's output mapped to the residual stream
+  after that layer, before any final norm (the last layer included), by the layer's *output
+  convention* (:data:`CONVENTIONS`; ``(hidden_states, residual)`` -> their sum for most models);
 - a wrapper around the base model's ``forward`` (an instance attribute, like speculators' own patch)
   that records the step's ``positions``/``input_ids``;
 - a wrapper around the model runner's ``execute_model`` (and, on the V2 runner, ``prepare_inputs``)
@@ -33,6 +34,14 @@ What differs between vLLM releases here (how the runner exposes the batch order,
 M-RoPE positions, sequence-parallel shards, the multimodal wrapper, the scheduler output's
 fields) is asked of the adapter (:class:`speccompat.adapter.Adapter`, "worker side"), whose
 fingerprint holds the vLLM symbols those operations read.
+
+Which convention a decoder-layer class follows is also the adapter's to say
+(:meth:`~speccompat.adapter.Adapter.layer_convention`, per vLLM range). A layer class no adapter
+declares (vLLM 0.33.0's Kimi-K3 layers return ``(hidden_states, prefix_sum, residual)``) is refused
+when the capture is set up, naming the model, the layer class and what its ``forward`` returns,
+before any state is captured; every call of a hooked layer is then checked against its convention
+(tuple arity, each element ``[tokens, hidden]``), so a layer that changes its convention in a later
+release fails loudly instead of yielding plausible but wrong states.
 """
 
 from __future__ import annotations
@@ -41,11 +50,12 @@ import logging
 import os
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from .errors import HiddenStatesError
+from .errors import HiddenStatesError, UnsupportedError
 
-__all__ = ["WorkerCapture", "find_decoder_layers"]
+__all__ = ["CONVENTIONS", "Convention", "WorkerCapture", "describe_output", "find_decoder_layers",
+           "layer_path", "returns_of"]
 
 logger = logging.getLogger("speccompat.capture")
 
@@ -59,6 +69,114 @@ def _adapter() -> Any:
     from ._state import STATE
 
     return STATE.require_adapter()
+
+
+# ---------------------------------------------------------------------- output conventions
+
+
+def _sum_pair(output: Any) -> Any:
+    hidden, residual = output
+    return hidden + residual if residual is not None else hidden.clone()
+
+
+def _itself(output: Any) -> Any:
+    return output.clone()
+
+
+class Convention(NamedTuple):
+    """How a decoder layer's output maps to the residual stream after the layer.
+
+    ``arity``: elements of the tuple the layer returns (0: a bare tensor). ``optional``: indexes of
+    elements that may be ``None``. ``stream``: the residual stream from the output."""
+
+    name: str
+    arity: int
+    optional: tuple[int, ...]
+    stream: Any
+    doc: str
+
+    def check(self, output: Any, hidden_size: int | None) -> str | None:
+        """What is wrong with ``output`` for this convention (``None``: it conforms): tuple arity,
+        each tensor ``[tokens, hidden]`` with one token count."""
+        import torch
+
+        if self.arity == 0:
+            items = [output]
+            if not isinstance(output, torch.Tensor):
+                return f"expected a tensor, got {describe_output(output)}"
+        else:
+            if not isinstance(output, tuple) or len(output) != self.arity:
+                return f"expected a {self.arity}-tuple, got {describe_output(output)}"
+            items = list(output)
+        rows = None
+        for i, item in enumerate(items):
+            if item is None and i in self.optional:
+                continue
+            if not isinstance(item, torch.Tensor) or item.dim() != 2:
+                return f"element {i} is not a [tokens, hidden] tensor: {describe_output(output)}"
+            if rows is None:
+                rows = item.shape[0]
+            if item.shape[0] != rows or (hidden_size is not None and item.shape[1] != hidden_size):
+                return (f"element {i} is not [{rows}, {hidden_size or 'hidden'}]: {describe_output(output)}")
+        return None
+
+
+#: Every output convention an adapter may declare for a decoder-layer class.
+CONVENTIONS: dict[str, Convention] = {
+    c.name: c
+    for c in (
+        Convention("hidden+residual", 2, (1,), _sum_pair,
+                   "(hidden_states, residual): the stream is their sum (residual None: hidden_states)"),
+        Convention("tensor", 0, (), _itself, "a bare tensor: the stream itself"),
+    )
+}
+
+
+def describe_output(output: Any) -> str:
+    """The structure of a layer's output: ``tuple(Tensor[7, 64], None)``, ``Tensor[7, 64]``..."""
+    if isinstance(output, (tuple, list)):
+        inner = ", ".join(describe_output(o) for o in output)
+        return f"{type(output).__name__}({inner})"
+    shape = getattr(output, "shape", None)
+    if shape is not None:
+        return f"Tensor[{', '.join(str(int(d)) for d in shape)}]"
+    return "None" if output is None else type(output).__name__
+
+
+def returns_of(cls: type) -> str:
+    """What ``cls.forward`` returns, read from its source (``return`` statements, else its return
+    annotation): ``(hidden_states, prefix_sum, residual)``. Names the output structure of a layer
+    class before it has run."""
+    import ast
+    import inspect
+    import textwrap
+
+    forward = getattr(cls, "forward", None)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        tree = None
+    if tree is not None:
+        fn = tree.body[0]
+        found = []
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Return) and node.value is not None:
+                text = ast.unparse(node.value)
+                text = f"({text})" if isinstance(node.value, ast.Tuple) and not text.startswith("(") else text
+                if text not in found:
+                    found.append(text)
+        if found:
+            return " or ".join(found)
+    try:
+        ann = inspect.signature(forward).return_annotation
+    except (TypeError, ValueError):
+        ann = inspect.Signature.empty
+    return f"-> {ann}" if ann is not inspect.Signature.empty else "(its forward's source is unavailable)"
+
+
+def layer_path(cls: type) -> str:
+    """``module:Class`` of a class, as adapters name decoder-layer classes."""
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 #: Exponent bits of 16-bit floats: all ones means inf or nan.
@@ -158,6 +276,9 @@ class WorkerCapture:
                 "pipeline parallelism is not supported by speculators' generator"
             )
         self.layer_ids = list(layer_ids)
+        self.conventions = self._conventions()
+        hidden = getattr(getattr(self.base_model, "config", None), "hidden_size", None)
+        self.hidden_size = hidden if isinstance(hidden, int) else None
         self.keep = get_tp_group().rank_in_group == 0
         self.tp_size = get_tp_group().world_size
         self.steps: list[_Step] = []
@@ -173,10 +294,37 @@ class WorkerCapture:
         self._side: Any = None  # the CUDA side stream of the per-step copies, made on first use
         self._attach()
 
+    def _conventions(self) -> dict[int, Convention]:
+        """The output convention of each requested layer, as the adapter declares it for its class;
+        a layer class it does not declare is refused here, before anything is attached."""
+        out, unknown = {}, {}
+        for i in self.layer_ids:
+            cls = type(self.layers[i])
+            name = self.adapter.layer_convention(cls)
+            if name is None:
+                unknown.setdefault(cls, []).append(i)
+                continue
+            if name not in CONVENTIONS:
+                raise HiddenStatesError(f"adapter {self.adapter.name()} declares {layer_path(cls)} with output "
+                                        f"convention {name!r}; known conventions: {sorted(CONVENTIONS)}")
+            out[i] = CONVENTIONS[name]
+        if unknown:
+            model = type(self.runner.model)
+            layers = "; ".join(f"{layer_path(cls)} (layers {ids}) returns {returns_of(cls)}"
+                               for cls, ids in unknown.items())
+            raise UnsupportedError(
+                f"model {model.__module__}.{model.__qualname__} is refused: no output convention is declared "
+                f"for its decoder layer class in adapter {self.adapter.name()}: {layers}. speccompat reads "
+                "the residual stream after a layer only from outputs whose convention an adapter declares "
+                f"(layer_convention; known conventions: {', '.join(sorted(CONVENTIONS))}), so that a layer "
+                "returning something else is not captured as plausible but wrong states"
+            )
+        return out
+
     # ------------------------------------------------------------------------------- attachment
     def _attach(self) -> None:
         for i in self.layer_ids:
-            self._handles.append(self.layers[i].register_forward_hook(self._layer_hook(i)))
+            self._handles.append(self.layers[i].register_forward_hook(self._layer_hook(i, self.conventions[i])))
 
         base_forward = self.base_model.forward
 
@@ -254,16 +402,21 @@ class WorkerCapture:
             order = self.adapter.batch_order(self.runner, step.batch)
             step.order = [r for r in order if r is not None and r in step.scheduled]
 
-    def _layer_hook(self, layer_id: int):
-        def hook(_module: Any, _inputs: Any, output: Any) -> None:
+    def _layer_hook(self, layer_id: int, convention: Convention):
+        def hook(module: Any, _inputs: Any, output: Any) -> None:
+            # Every call, warm-up included: a layer whose output no longer has the declared
+            # structure must fail loudly, not be summed into plausible states.
+            problem = convention.check(output, self.hidden_size)
+            if problem is not None:
+                raise HiddenStatesError(
+                    f"decoder layer {layer_id} ({layer_path(type(module))}) does not follow the output "
+                    f"convention {convention.name!r} that adapter {self.adapter.name()} declares for it "
+                    f"({convention.doc}): {problem}"
+                )
             step = self.active
             if step is None or step.positions is None:
                 return
-            if isinstance(output, tuple):
-                hidden, residual = output[0], output[1] if len(output) > 1 else None
-                stream = hidden + residual if residual is not None else hidden.clone()
-            else:
-                stream = output.clone()
+            stream = convention.stream(output)
             stream = self.adapter.gather_layer_output(stream, step.padded_tokens, self.tp_size)
             if self.keep:
                 step.layers[layer_id] = stream[: step.num_tokens]

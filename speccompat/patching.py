@@ -70,6 +70,8 @@ class Patch(NamedTuple):
     needed: Callable[[Any], str | None] = _always
     optional: bool = False
     adds: bool = False  # the attribute is new (a method speculators does not have)
+    #: The vLLM/speculators PR or issue URL, or ``"none: <why>"`` (required by the docs check).
+    upstream: str = ""
 
     @property
     def module(self) -> str:
@@ -87,6 +89,7 @@ class Patch(NamedTuple):
             "how": self.how,
             "vllm_change": self.vllm_change,
             "remove_when": self.remove_when,
+            "upstream": self.upstream,
         }
 
 

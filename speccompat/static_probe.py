@@ -32,9 +32,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .probe import Mismatch, Symbol, judge
+from .probe import Mismatch, Params, Symbol, judge
 
-__all__ = ["check_static", "facts"]
+__all__ = ["check_static", "facts", "signatures"]
 
 
 class _Opaque(ast.AST):
@@ -409,32 +409,35 @@ class _Source:
                 return "fields"  # subclasses of a Struct / NamedTuple / BaseModel are ones too
         return None
 
-    def fields(self, modname: str, cls: ast.ClassDef, depth: int = 0) -> list[str]:
-        """Constructor fields of a field-based class, bases' (that are field-based) first."""
-        out: list[str] = []
+    def fields(self, modname: str, cls: ast.ClassDef, depth: int = 0) -> list[tuple[str, bool, bool]]:
+        """Constructor fields of a field-based class, bases' (that are field-based) first:
+        ``(name, required, keyword-only)``."""
+        out: dict[str, tuple[str, bool, bool]] = {}
         if depth < _DEPTH:
             for base in reversed(self.bases(modname, cls, depth)):
                 if base is not None and isinstance(base[1], ast.ClassDef) \
                         and self.field_kind(base[0], base[1], depth + 1):
                     for f in self.fields(base[0], base[1], depth + 1):
-                        if f not in out:
-                            out.append(f)
+                        out.setdefault(f[0], f)
+        kw_only = any("kw_only=True" in ast.unparse(d).replace(" ", "") for d in cls.decorator_list)
         for node in cls.body:
             if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
                 continue
             ann = ast.unparse(node.annotation)
-            if ann.startswith(("ClassVar", "typing.ClassVar")) or "KW_ONLY" in ann:
+            if ann.startswith(("ClassVar", "typing.ClassVar")):
+                continue
+            if "KW_ONLY" in ann:
+                kw_only = True
                 continue
             if isinstance(node.value, ast.Call) and any(
                 kw.arg == "init" and isinstance(kw.value, ast.Constant) and kw.value.value is False
                 for kw in node.value.keywords
             ):
                 continue
-            if node.target.id not in out:
-                out.append(node.target.id)
-        return out
+            out[node.target.id] = (node.target.id, not _has_default(node.value), kw_only)
+        return list(out.values())
 
-    def class_params(self, modname: str, cls: ast.ClassDef, depth: int = 0) -> list[str] | None:
+    def class_params(self, modname: str, cls: ast.ClassDef, depth: int = 0) -> Params | None:
         """Parameters of ``cls(...)``: own ``__init__``, own fields, else the nearest base's."""
         if depth > _DEPTH:
             return None
@@ -444,7 +447,9 @@ class _Source:
         if init is not None:
             return None
         if self.field_kind(modname, cls, depth):
-            return self.fields(modname, cls, depth)
+            fields = self.fields(modname, cls, depth)
+            return Params(tuple(f[0] for f in fields), tuple(f[0] for f in fields if not f[2]),
+                          tuple(f[0] for f in fields if f[1]))
         bases = self.bases(modname, cls, depth)
         for b, base in zip(cls.bases, bases, strict=True):
             if base is not None and isinstance(base[1], ast.ClassDef):
@@ -455,16 +460,35 @@ class _Source:
             ):
                 continue
             return None  # an external base: its constructor is unknown
-        return []  # only object-like bases: no parameters
+        return Params(())  # only object-like bases: no parameters
 
 
-def _func_params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+def _has_default(value: ast.expr | None) -> bool:
+    """Whether a field assigned ``value`` has a default: any value but ``field(...)`` /
+    ``Field(...)`` without ``default``/``default_factory`` (or with ``...``, pydantic's "required")."""
+    if value is None:
+        return False
+    if isinstance(value, ast.Call) and ast.unparse(value.func).rsplit(".", 1)[-1] in ("field", "Field"):
+        if any(kw.arg in ("default", "default_factory") for kw in value.keywords):
+            return True
+        return bool(value.args) and not (isinstance(value.args[0], ast.Constant) and value.args[0].value is ...)
+    return True
+
+
+def _func_params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Params:
     a = fn.args
-    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
-    return [n for n in names if n not in ("self", "cls")]
+    pos = a.posonlyargs + a.args
+    pos_required = [x.arg for x in pos[: len(pos) - len(a.defaults)]]
+    kw_required = [x.arg for x, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is None]
+    skip = ("self", "cls")
+    return Params(
+        tuple(x.arg for x in pos + a.kwonlyargs if x.arg not in skip),
+        tuple(x.arg for x in pos if x.arg not in skip),
+        tuple(n for n in pos_required + kw_required if n not in skip),
+    )
 
 
-def _static_params(src: _Source, modname: str, node: ast.AST) -> list[str] | None:
+def _static_params(src: _Source, modname: str, node: ast.AST) -> Params | None:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return _func_params(node)
     if isinstance(node, ast.ClassDef):
@@ -519,14 +543,23 @@ def facts(paths: Iterable[str], root: str | Path, names: Iterable[str] | None = 
     Recorded per release by ``scripts/static_check.py``; the unit tests build fake vLLM packages
     from these facts of real releases (not from the fingerprints they are meant to test).
     """
-    src = source(root)
     keep = set(names) if names is not None else None
     out: dict[str, list[str] | bool] = {}
+    for path, params in signatures(paths, root).items():
+        out[path] = params if isinstance(params, bool) else [p for p in params.names if keep is None or p in keep]
+    return out
+
+
+def signatures(paths: Iterable[str], root: str | Path) -> dict[str, Params | bool]:
+    """Each symbol path's :class:`~speccompat.probe.Params` in the sources under ``root``
+    (``True``: it exists, parameters unreadable; ``False``: it does not exist)."""
+    src = source(root)
+    out: dict[str, Params | bool] = {}
     for path in sorted(set(paths)):
         hit = resolve(Symbol(path), root)
         if hit is None:
             out[path] = False
             continue
         params = _static_params(src, hit[0], hit[1])
-        out[path] = True if params is None else [p for p in params if keep is None or p in keep]
+        out[path] = True if params is None else params
     return out

@@ -31,7 +31,8 @@ def release_facts(release: str, evidence: Path = EVIDENCE) -> list[Symbol]:
 
 
 def _params(sym: Symbol) -> str:
-    return ", ".join(["self", *sym.accepts]) if sym.accepts else "self, *args, **kwargs"
+    # Defaults everywhere: the recorded facts name parameters, not which of them are required.
+    return ", ".join(["self", *(f"{p}=None" for p in sym.accepts)]) if sym.accepts else "self, *args, **kwargs"
 
 
 def write_fake_vllm(root: Path, symbols: list[Symbol], version: str = "0.32.0", dist: str = "vllm") -> None:
@@ -53,7 +54,7 @@ def write_fake_vllm(root: Path, symbols: list[Symbol], version: str = "0.32.0", 
                 if own and not own[0].accepts:
                     lines.append(f"{top} = type('{top}', (), {{'is_cpu': staticmethod(lambda: True)}})()")
                 else:
-                    args = ", ".join(own[0].accepts) if own else "*args, **kwargs"
+                    args = ", ".join(f"{p}=None" for p in own[0].accepts) if own else "*args, **kwargs"
                     lines.append(f"def {top}({args}):\n    return ({top!r}, locals())")
                 continue
             lines.append(f"class {top}:")

@@ -17,10 +17,8 @@ torch = pytest.importorskip("torch", reason="capture hooks torch modules")
 pytest.importorskip("vllm", reason="capture imports vllm.distributed (engine environments have it)")
 
 from speccompat.capture import WorkerCapture  # noqa: E402
-from speccompat.errors import DriftError, HiddenStatesError  # noqa: E402
+from speccompat.errors import DriftError, HiddenStatesError, UnsupportedError  # noqa: E402
 from speccompat.registry import by_name  # noqa: E402
-
-ADAPTER = by_name("vllm_0_29_0")()
 
 HIDDEN = 8
 
@@ -39,11 +37,23 @@ class Layer(torch.nn.Module):
         return out
 
 
+def declaring(adapter_name: str, **conventions: str):
+    """The adapter ``adapter_name`` with the output conventions of this module's layer classes
+    declared (class name -> convention), as an adapter module declares vLLM's."""
+    real = by_name(adapter_name)
+    extra = {f"{__name__}:{name}": conv for name, conv in conventions.items()}
+    return type(real.__name__, (real,), {"__module__": real.__module__,
+                                         "layer_outputs": {**real.layer_outputs, **extra}})()
+
+
+ADAPTER = declaring("vllm_0_29_0", Layer="hidden+residual")
+
+
 class Base(torch.nn.Module):
-    def __init__(self, n_layers: int, shard_from: int | None = None) -> None:
+    def __init__(self, n_layers: int, shard_from: int | None = None, layer=None) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            Layer(k, shard=shard_from is not None and k >= shard_from) for k in range(n_layers))
+            (layer or Layer)(k, shard=shard_from is not None and k >= shard_from) for k in range(n_layers))
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         if input_ids is None:  # multimodal: the runner embedded the tokens itself
@@ -54,7 +64,8 @@ class Base(torch.nn.Module):
             if residual is not None and hidden.shape[0] < positions.shape[0]:  # all-gather back
                 hidden = torch.cat([hidden, hidden])[: positions.shape[0]]
                 residual = torch.cat([residual, residual])[: positions.shape[0]]
-            hidden, residual = layer(positions, hidden, residual)
+            out = layer(positions, hidden, residual)
+            hidden, residual = (out[0], out[-1]) if isinstance(out, tuple) else (out, None)
         return hidden
 
 
@@ -386,7 +397,8 @@ def test_v2_runner_order_and_token_ids_come_from_its_per_step_batch(tp):
 def test_the_0_11_adapter_refuses_a_runner_without_input_batch_naming_the_symbol(tp):
     runner = RunnerV2(Base(4))
     with pytest.raises(DriftError) as e:
-        WorkerCapture(types.SimpleNamespace(model_runner=runner), [2], adapter=by_name("vllm_0_11_0")())
+        WorkerCapture(types.SimpleNamespace(model_runner=runner), [2],
+                      adapter=declaring("vllm_0_11_0", Layer="hidden+residual"))
     assert e.value.symbol == "vllm.v1.worker.gpu_input_batch:InputBatch.req_ids"
 
 
@@ -398,3 +410,91 @@ def test_all_finite_matches_isfinite(dtype, value):
     t = torch.randn(64, 32).to(dtype)
     t[17, 5] = value
     assert all_finite(t) == bool(torch.isfinite(t).all())
+
+
+# --------------------------------------------------------------------------- output conventions
+
+
+class PrefixSumLayer(Layer):
+    """A layer of another output convention, as vLLM 0.33.0's Kimi-K3 decoder layers:
+    ``(hidden_states, prefix_sum, residual)``. Summing its first two elements gives wrong states."""
+
+    def forward(self, positions, hidden, residual):
+        hidden, residual = super().forward(positions, hidden, residual)
+        prefix_sum = residual * 0 + 100.0
+        return hidden, prefix_sum, residual
+
+
+def test_a_layer_of_an_undeclared_output_convention_is_refused_at_setup_naming_it(tp):
+    runner = Runner(Base(4, layer=PrefixSumLayer))
+    with pytest.raises(UnsupportedError) as e:
+        WorkerCapture(types.SimpleNamespace(model_runner=runner), [1, 3], adapter=ADAPTER)
+    msg = str(e.value)
+    assert "model types.SimpleNamespace is refused" in msg
+    assert f"{__name__}:PrefixSumLayer (layers [1, 3]) returns (hidden, prefix_sum, residual)" in msg
+    assert "vllm_0_29_0" in msg
+    assert not any(layer._forward_hooks for layer in runner.model.model.layers)  # nothing attached
+
+
+def test_the_same_layer_is_captured_once_an_adapter_declares_its_convention(tp, monkeypatch):
+    import speccompat.capture as capture
+
+    # (hidden, prefix_sum, residual) -> hidden + residual: what the Kimi-K3 layers' stream is.
+    conv = capture.Convention("hidden+prefix_sum+residual", 3, (), lambda out: out[0] + out[2], "test")
+    monkeypatch.setitem(capture.CONVENTIONS, conv.name, conv)
+    adapter = declaring("vllm_0_29_0", PrefixSumLayer=conv.name)
+    runner = Runner(Base(4, layer=PrefixSumLayer))
+    cap = WorkerCapture(types.SimpleNamespace(model_runner=runner), [1, 3], adapter=adapter)
+    runner.prompts = {"a": [3, 4, 5]}
+    cap.reset()
+    step(runner, ["a"], {"a": (0, 3)}, new=["a"])
+    from speccompat.transport import unpack
+
+    states = unpack(cap.collect(["a"])["states"])
+    assert states.shape == (2, 3, HIDDEN)
+    for i, layer in enumerate([1, 3]):
+        torch.testing.assert_close(states[i], expected([3, 4, 5], layer), rtol=0, atol=0)
+
+
+def test_a_subclass_inherits_a_convention_only_with_its_forward(tp):
+    class Same(Layer):
+        pass
+
+    assert ADAPTER.layer_convention(Same) == "hidden+residual"
+    assert ADAPTER.layer_convention(PrefixSumLayer) is None  # overrides forward: must be declared
+
+
+@pytest.mark.parametrize(("bad", "problem"), [
+    (lambda h, r: (h, r, r), "expected a 2-tuple, got tuple(Tensor[3, 8], Tensor[3, 8], Tensor[3, 8])"),
+    (lambda h, r: h, "expected a 2-tuple, got Tensor[3, 8]"),
+    (lambda h, r: (h, r[:, :4]), "element 1 is not [3, 8]: tuple(Tensor[3, 8], Tensor[3, 4])"),
+    (lambda h, r: (h[None], r), "element 0 is not a [tokens, hidden] tensor: tuple(Tensor[1, 3, 8], Tensor[3, 8])"),
+])
+def test_a_declared_layer_whose_output_changes_structure_fails_loudly(tp, bad, problem):
+    class Drifted(Layer):
+        def forward(self, positions, hidden, residual):
+            out = super().forward(positions, hidden, residual)
+            return bad(*out) if self.k == 2 else out  # the hooked layer
+
+    adapter = declaring("vllm_0_29_0", **{"test_a_declared_layer_whose_output_changes_structure_fails_loudly"
+                                          ".<locals>.Drifted": "hidden+residual"})
+    runner = Runner(Base(4, layer=Drifted))
+    runner.model.model.config = types.SimpleNamespace(hidden_size=HIDDEN)
+    cap = WorkerCapture(types.SimpleNamespace(model_runner=runner), [2], adapter=adapter)
+    assert cap.hidden_size == HIDDEN
+    runner.prompts = {"a": [3, 4, 5]}
+    cap.reset()
+    with pytest.raises(HiddenStatesError) as e:
+        step(runner, ["a"], {"a": (0, 3)}, new=["a"])
+    assert f"decoder layer 2 ({__name__}:test_a_declared" in str(e.value)
+    assert "'hidden+residual'" in str(e.value) and problem in str(e.value)
+
+
+def test_every_declared_convention_exists():
+    from speccompat.capture import CONVENTIONS
+    from speccompat.registry import all_adapters
+
+    for adapter in all_adapters():
+        assert adapter.layer_outputs, adapter.name()
+        unknown = {p: c for p, c in adapter.layer_outputs.items() if c is not None and c not in CONVENTIONS}
+        assert unknown == {}, adapter.name()

@@ -247,7 +247,7 @@ def test_resolver_follows_vllm_binding_styles(tmp_path):
         Symbol("pkg.config:CacheConfig", accepts=("block_size", "max_model_len"), rejects=("derived",)),
         Symbol("pkg.impl:Multiproc.shutdown"),  # inherited from a base in another module
         Symbol("pkg.impl:Multiproc.run", accepts=("a", "b", "c")),
-        Symbol("pkg.impl:Multiproc.alias", accepts=("c",)),
+        Symbol("pkg.impl:Multiproc.alias", accepts=("c",), called=False),
         Symbol("pkg.impl:Renamed.shutdown"),
         Symbol("pkg.impl:Multiproc", accepts=()),  # no __init__ anywhere: no parameters
         Symbol("pkg.impl:fast_op", accepts=("x",)),  # the except branch when the body cannot bind
@@ -283,3 +283,106 @@ def test_resolver_reports_what_is_wrong(tmp_path):
     assert "not found" in problems[0] and "missing parameter(s) c" in problems[1]
     assert "has parameter(s) b" in problems[2] and "expects it to be gone" in problems[3]
     assert "not found" in problems[4] and "not found" in problems[5]
+
+
+# ------------------------------------------------ required parameters and positional order
+
+
+_EXEC_BEFORE = """
+    class MultiprocExecutor:
+        def set_kv_cache_layout(self, layout_name: str) -> None: ...
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None, unique_reply_rank=None,
+                           kv_output_aggregator=None): ...
+"""
+_EXEC_AFTER = """
+    class MultiprocExecutor:
+        def set_kv_cache_layout(self, layout_name: str, cp_kv_cache_interleave_size: int) -> None: ...
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None, unique_reply_rank=None,
+                           kv_output_aggregator=None, *, tag): ...
+"""
+
+
+def _exec_tree(tmp_path: Path, body: str) -> Path:
+    return _tree(tmp_path, {"vllm/__init__.py": "", "vllm/v1/__init__.py": "", "vllm/v1/executor/__init__.py": "",
+                            "vllm/v1/executor/multiproc_executor.py": body})
+
+
+@pytest.mark.parametrize("probe", ["static", "live"])
+def test_a_new_required_parameter_of_a_fingerprinted_callable_is_refused_naming_it(tmp_path, monkeypatch, probe):
+    """vLLM 0.33.0 gave Executor.set_kv_cache_layout a required second parameter: the 0.29 adapter's
+    fingerprint (which passes only layout_name) must refuse it by name, the 0.33 adapter's accept it;
+    a required keyword-only parameter added to collective_rpc is refused the same way."""
+    from speccompat.registry import by_name
+
+    ex = "vllm.v1.executor.multiproc_executor:MultiprocExecutor"
+    old = by_name("vllm_0_29_0").requires
+    new = by_name("vllm_0_33_0").requires
+    # Without its rejects=, so that the required-parameter rule alone has to refuse it.
+    syms = [old[f"{ex}.set_kv_cache_layout"]._replace(rejects=()), old[f"{ex}.collective_rpc"],
+            new[f"{ex}.set_kv_cache_layout"]]
+
+    def problems(body: str, sub: str) -> list[str]:
+        root = _exec_tree(tmp_path / sub, body)
+        if probe == "static":
+            return [str(m) for m in check_static(syms, root)]
+        monkeypatch.syspath_prepend(str(root))
+        for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+            monkeypatch.delitem(sys.modules, name)
+        return [str(m) for m in check_live(syms)]
+
+    before = problems(_EXEC_BEFORE, "before")
+    # Before: the 0.33 symbol misses its second parameter; the 0.29 ones match.
+    assert len(before) == 1 and "missing parameter(s) cp_kv_cache_interleave_size" in before[0], before
+    after = problems(_EXEC_AFTER, "after")
+    assert len(after) == 2, after
+    assert after[0].startswith(f"{ex}.set_kv_cache_layout: new required parameter(s) cp_kv_cache_interleave_size "
+                               "that no caller passes"), after
+    assert after[1].startswith(f"{ex}.collective_rpc: new required parameter(s) tag that no caller passes"), after
+
+
+def test_positional_order_is_part_of_the_fingerprint(tmp_path):
+    root = _tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/m.py": """
+            def gather(dim, input_): ...
+            def gather_ok(input_, dim=-1, *, async_op=False): ...
+            def hasher(hash_block_size, caching_hash_fn): ...
+            def one(layout_name, /): ...
+            """,
+    })
+    problems = _problems(
+        root,
+        Symbol("pkg.m:gather", positional=("input_", "dim")),
+        Symbol("pkg.m:gather_ok", positional=("input_", "dim")),
+        Symbol("pkg.m:hasher", positional=("block_size|hash_block_size", "caching_hash_fn")),
+        Symbol("pkg.m:one", positional=("layout_name", "cp")),
+    )
+    assert problems == [
+        "pkg.m:gather: positional parameter 1 is dim, not input_; positional parameter 2 is input_, not dim "
+        "(has: dim, input_)",
+        "pkg.m:one: missing parameter(s) cp; takes 1 positional parameter(s), 2 are passed by position "
+        "(has: layout_name)",
+    ]
+
+
+def test_fields_read_not_passed_do_not_count_as_required(tmp_path):
+    root = _tree(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/m.py": """
+            from dataclasses import dataclass, field, KW_ONLY
+            @dataclass
+            class Out:
+                req_ids: list
+                input_ids: object = None
+                rows: list = field(default_factory=list)
+                n: int = field()
+                _: KW_ONLY
+                flag: bool
+            """,
+    })
+    assert _problems(root, Symbol("pkg.m:Out", accepts=("req_ids", "input_ids"), called=False)) == []
+    assert _problems(root, Symbol("pkg.m:Out", accepts=("req_ids", "input_ids"))) == [
+        "pkg.m:Out: new required parameter(s) n, flag that no caller passes (has: req_ids, input_ids, rows, n, flag)"]
+    from speccompat.static_probe import signatures
+
+    assert signatures(["pkg.m:Out"], root)["pkg.m:Out"].render() == "(req_ids, input_ids=, rows=, n, *, flag)"
