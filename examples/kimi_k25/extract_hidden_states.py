@@ -69,12 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="--format speculators: token-frequency file (default: <output-dir>.token_freq.pt)")
     ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO")
     sc = ap.add_argument_group("scale-out (docs/scale-out.md)")
-    sc.add_argument("--num-shards", type=_positive_int, default=None,
-                    help="split the input into N shards by a hash of each id (when not given: SLURM_ARRAY_TASK_COUNT, "
-                         "else WORLD_SIZE, else 1); every shard writes its own manifest part into --output-dir")
-    sc.add_argument("--shard-index", type=int, default=None,
-                    help="this process's shard, 0..N-1 (when not given: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, "
-                         "else RANK)")
+    sc.add_argument("--num-shards", type=_shards, default=None,
+                    help="split the input into N shards by a hash of each id; every shard writes its own manifest "
+                         "part into --output-dir. 'auto': N and the index from a SLURM job array "
+                         "(SLURM_ARRAY_TASK_COUNT/ID), else WORLD_SIZE/RANK. Not given: the whole input (the "
+                         "environment is not read)")
+    sc.add_argument("--shard-index", type=int, default=None, help="this process's shard, 0..N-1")
     sc.add_argument("--data-parallel-size", type=_positive_int, default=1,
                     help="engines of --tp-size GPUs each, one shard each, side by side on this host "
                          "(or Ray actors with --ray); the data set is merged when all have finished")
@@ -96,6 +96,10 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _shards(text: str) -> int | str:
+    return "auto" if text == "auto" else _positive_int(text)
 
 
 def _fraction(text: str) -> float:
@@ -189,14 +193,14 @@ def extract(args: argparse.Namespace) -> int:
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=layer_ids, dtype=args.dtype,
                               max_seq_len=args.max_seq_len, on_long_line=args.on_long_line,
                               tensor_parallel_size=args.tp_size, layout=args.format, status=status)
+    extra = {"train_data_path": str(args.prepared_data), "gpu_memory_utilization": args.gpu_memory_utilization,
+             "max_samples": args.limit}
     if shard.num_shards > 1:
         ds = open_shard(args.output_dir, scan.samples, prov, shard, overwrite=args.overwrite,
-                        speculators_version=status.speculators.get("raw"))
+                        speculators_version=status.speculators.get("raw"), extra=extra)
     else:
         ds = open_dataset(args.output_dir, scan.samples, prov, overwrite=args.overwrite,
-                          speculators_version=status.speculators.get("raw"))
-    ds.extra.update(train_data_path=str(args.prepared_data), gpu_memory_utilization=args.gpu_memory_utilization,
-                    max_samples=args.limit)
+                          speculators_version=status.speculators.get("raw"), extra=extra)
     if not ds.todo:
         if shard.num_shards == 1:
             ds.finish(args.token_freq_path)
