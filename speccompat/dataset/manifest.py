@@ -167,7 +167,7 @@ class Manifest:
         try:
             if self._read().decode("utf-8") == text:
                 return
-        except (UnicodeDecodeError, OSError, Exception):  # noqa: BLE001 - unreadable: rewritten
+        except Exception:  # noqa: BLE001 - unreadable (not UTF-8, a symbolic link ...): replaced
             pass
         write_atomic(self.path, text.encode("utf-8"))
 

@@ -27,15 +27,9 @@ from .inputs import Sample
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .writer import DatasetWriter, WriteJob
 
-__all__ = ["OpenDataset", "check_file", "open_dataset"]
+__all__ = ["OpenDataset", "open_dataset"]
 
 logger = logging.getLogger("speccompat.dataset")
-
-
-def check_file(path: Path, entry: dict[str, Any], layout: Layout, digest: Any) -> str | None:
-    """None when ``path`` holds exactly what ``entry`` recorded (the resume-level check of
-    :meth:`DatasetDir.check_file`), else the first problem."""
-    return DatasetDir(Path(path).parent).check_fn(layout, digest)({**entry, "file": Path(path).name})
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Any
 from . import provenance as prov_mod
 from .checksum import digest_fn
 from .directory import TRASH_NAME, DatasetDir
-from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED
+from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, DatasetError
 from .formats import layout_named
 from .fsutil import LOCK_NAME, TMP_SUFFIX
 from .manifest import MANIFEST_NAME
@@ -85,6 +85,9 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_REJECTED
     try:
         problems, n = verify_dataset(out_dir, args.threads)
+    except DatasetError as exc:  # e.g. a manifest that is a symbolic link
+        print(f"verify {out_dir}: {exc}", file=sys.stderr)
+        return exc.exit_status
     except OSError as exc:
         print(f"verify {out_dir}: {exc}", file=sys.stderr)
         return EXIT_FAILED
