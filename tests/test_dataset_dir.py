@@ -88,6 +88,23 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(world):
     assert not (out / "manifest.jsonl").exists()
 
 
+def test_a_symlinked_manifest_is_refused_and_its_target_untouched(world):
+    from speccompat.cli import main as cli_main
+
+    root, model, _data, samples = world
+    out = root / "out"
+    run(out, samples, provenance(model))
+    target = root / "elsewhere.jsonl"
+    (out / "manifest.jsonl").rename(target)
+    (out / "manifest.jsonl").symlink_to(target)
+    before = target.read_bytes()
+    with pytest.raises(Rejected, match=r"cannot read .*manifest.jsonl: .*a manifest must be a plain file"):
+        run(out, samples, provenance(model))
+    assert lock_is_free(out)
+    assert cli_main(["verify", str(out)]) == 2
+    assert target.read_bytes() == before and (out / "manifest.jsonl").is_symlink()
+
+
 # ---------------------------------------------------------------------------------------------
 # nothing outside the directory
 # ---------------------------------------------------------------------------------------------
