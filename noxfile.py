@@ -65,3 +65,14 @@ def matrix(session: nox.Session) -> None:
     """Check that compat_matrix.yaml and the README table agree with evidence/."""
     session.install("-e", ".")
     session.run("python", "-m", "speccompat.matrix")
+
+
+@nox.session(name="fault_injection", venv_backend="none")
+def fault_injection(session: nox.Session) -> None:
+    """EIO/ENOSPC at each of the data-set writer's write/fsync/rename/manifest append/directory fsync and
+    SIGKILLs at random points, each followed by a resume (fake hidden states); writes
+    benchmarks/results/fault-injection.json and fails when a sample is lost or verify finds a problem."""
+    session.run("python3", "scripts/mkenv.py", "0.32.0", external=True)
+    py = str(REPO / ".envs" / "vllm-0.32.0" / "bin" / "python")
+    session.run(py, "benchmarks/fault_injection.py", "--samples", "96", "--kills", "24", "--out",
+                "benchmarks/results/fault-injection.json", *session.posargs, external=True)

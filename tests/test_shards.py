@@ -67,36 +67,37 @@ def test_shards_are_roughly_even():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_shard_defaults_from_slurm_arrays_rank_world_size_and_flags():
+def test_shards_from_slurm_arrays_rank_world_size_with_auto_and_from_flags():
     assert resolve_shard(None, None, {}) == ShardSpec(1, 0, "default: one shard")
     # an array 1-4 (SLURM_ARRAY_TASK_MIN 1): task 1 is shard 0, task 4 shard 3
     env = {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "1",
            "RANK": "0", "WORLD_SIZE": "2"}
-    s = resolve_shard(None, None, env)
+    assert resolve_shard(None, None, env) == ShardSpec(1, 0, "default: one shard")  # only when asked
+    s = resolve_shard("auto", None, env)
     assert (s.num_shards, s.index) == (4, 3) and "SLURM_ARRAY_TASK_MIN" in s.source
-    assert resolve_shard(None, None, {**env, "SLURM_ARRAY_TASK_ID": "1"}).index == 0
+    assert resolve_shard("auto", None, {**env, "SLURM_ARRAY_TASK_ID": "1"}).index == 0
     # 0-14:2 (step 2, 8 tasks): task 6 is the fourth
-    s = resolve_shard(None, None, {"SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_COUNT": "8",
-                                   "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2"})
+    s = resolve_shard("auto", None, {"SLURM_ARRAY_TASK_ID": "6", "SLURM_ARRAY_TASK_COUNT": "8",
+                                     "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_STEP": "2"})
     assert (s.num_shards, s.index) == (8, 3)
-    s = resolve_shard(None, None, {"RANK": "1", "WORLD_SIZE": "2"})
+    s = resolve_shard("auto", None, {"RANK": "1", "WORLD_SIZE": "2"})
     assert (s.num_shards, s.index, s.source) == (2, 1, "RANK/WORLD_SIZE")
-    s = resolve_shard(5, 2, env)  # flags win over the environment
+    s = resolve_shard(5, 2, env)  # flags: the environment is not read
     assert (s.num_shards, s.index, s.source) == (5, 2, "--num-shards and --shard-index")
-    s = resolve_shard(None, 1, {"RANK": "0", "WORLD_SIZE": "3"})
-    assert (s.num_shards, s.index) == (3, 1) and "--shard-index" in s.source
     for bad, phrase in [
-        ((None, None, {"SLURM_ARRAY_TASK_ID": "3"}), "SLURM_ARRAY_TASK_COUNT is not"),
-        ((None, None, {"SLURM_ARRAY_TASK_ID": "9", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "1"}),
+        (("auto", None, {"SLURM_ARRAY_TASK_ID": "3"}), "SLURM_ARRAY_TASK_COUNT is not"),
+        (("auto", None, {"SLURM_ARRAY_TASK_ID": "9", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "1"}),
          "cannot derive a shard index"),
-        ((None, None, {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_STEP": "2"}),
+        (("auto", None, {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_STEP": "2"}),
          "evenly spaced"),
-        ((None, None, {"RANK": "1"}), "only one of RANK and WORLD_SIZE"),
-        ((None, None, {"RANK": "x", "WORLD_SIZE": "2"}), "RANK='x' is not an integer"),
+        (("auto", None, {"RANK": "1"}), "only one of RANK and WORLD_SIZE"),
+        (("auto", None, {"RANK": "x", "WORLD_SIZE": "2"}), "RANK='x' is not an integer"),
+        (("auto", None, {"RANK": "5", "WORLD_SIZE": "3"}), "outside 0..2"),
+        (("auto", 1, {"RANK": "0", "WORLD_SIZE": "3"}), "drop --shard-index"),
         ((4, None, {}), "without --shard-index"),
-        ((4, None, {"RANK": "1", "WORLD_SIZE": "2"}), "without --shard-index"),  # env of another size
+        ((4, None, {"RANK": "1", "WORLD_SIZE": "4"}), "without --shard-index"),
+        ((None, 1, {"RANK": "0", "WORLD_SIZE": "3"}), "--shard-index without --num-shards"),
         ((2, 2, {}), "outside 0..1"),
-        ((None, 3, {"RANK": "0", "WORLD_SIZE": "3"}), "outside 0..2"),
     ]:
         with pytest.raises(Rejected, match=phrase):
             resolve_shard(*bad)

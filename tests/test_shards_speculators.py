@@ -4,6 +4,7 @@ sample_lengths.json, the token-frequency file), with fake results (no engine).""
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 from speculators_child import needs_speculators, run_with_speculators
@@ -45,3 +46,52 @@ def test_sharded_speculators_layout_matches_one_run_side_files_included(tmp_path
     for name in single:
         assert sharded[name] == single[name], name
     assert out["freq"] == [True]
+
+
+CHILD_MERGE_AND_LIMIT = textwrap.dedent('''
+    import json, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[2])
+    import speccompat
+    speccompat.apply()
+    from dataset_fakes import jsonl, model_dir, random_records
+    from test_dataset import provenance, run, scan
+    from test_shards import run_shard
+    from speccompat.cli import main as cli_main
+    root = Path(sys.argv[1])
+    model = model_dir(root)
+    data = jsonl(root / "data.jsonl", random_records(10, seed=5))
+    samples = scan(data)
+    prov = provenance(model, layout="speculators", status={"state": "armed", "vllm": {"raw": "0.32.0"},
+                      "speculators": {"raw": sys.argv[3]}, "patches": []})
+    extra = {"train_data_path": str(data)}
+    run(root / "single", samples, prov, batch=2, speculators_version=sys.argv[3], extra=extra)
+    side = lambda d: {p.name: p.read_bytes().hex() for p in d.iterdir()
+                      if p.name in ("data_config.json", "sample_lengths.json")}
+    full = side(root / "single")
+    freq = (root / "single.freq.pt").read_bytes()
+    # --limit 5 on the finished set: nothing to do, side files untouched
+    run(root / "single", samples[:5], prov, batch=2, speculators_version=sys.argv[3],
+        extra={**extra, "max_samples": 5})
+    limited = side(root / "single")
+    limited_freq = (root / "single.freq.pt").read_bytes() == freq
+    # two shards joined by `speccompat merge` (the SLURM recipe)
+    for k in range(2):
+        run_shard(root / "sharded", samples, prov, k, 2)
+    code = cli_main(["merge", str(root / "sharded"), "--inputs", str(data), "--token-freq-path",
+                     str(root / "sharded.freq.pt")])
+    merged = side(root / "sharded")
+    merged_freq = (root / "sharded.freq.pt").read_bytes() == freq if (root / "sharded.freq.pt").exists() else None
+    print(json.dumps({"code": code, "full": full, "limited": limited, "limited_freq": limited_freq,
+                      "merged": merged, "merged_freq": merged_freq}))
+''')
+
+
+@needs_speculators
+def test_merge_writes_the_side_files_of_one_run_and_a_limit_leaves_them_alone(tmp_path):
+    out = run_with_speculators(CHILD_MERGE_AND_LIMIT, tmp_path, "0.4.0.1")
+    assert set(out["full"]) == {"data_config.json", "sample_lengths.json"}
+    assert len(json.loads(bytes.fromhex(out["full"]["sample_lengths.json"]))) == 10
+    assert out["limited"] == out["full"] and out["limited_freq"] is True
+    assert out["code"] == 0
+    assert out["merged"] == out["full"] and out["merged_freq"] is True

@@ -85,12 +85,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar (it shows on a terminal when tqdm is installed)")
     sc = ap.add_argument_group("scale-out (docs/scale-out.md)")
-    sc.add_argument("--num-shards", type=positive_int, default=None,
-                    help="split the input into N shards by a hash of each id (when not given: SLURM_ARRAY_TASK_COUNT, "
-                         "else WORLD_SIZE, else 1); every shard writes its own manifest part into --output-dir")
-    sc.add_argument("--shard-index", type=int, default=None,
-                    help="this process's shard, 0..N-1 (when not given: SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN, "
-                         "else RANK)")
+    sc.add_argument("--num-shards", type=shard_count, default=None,
+                    help="split the input into N shards by a hash of each id; every shard writes its own manifest "
+                         "part into --output-dir. 'auto': N and the index from a SLURM job array "
+                         "(SLURM_ARRAY_TASK_COUNT/ID), else WORLD_SIZE/RANK. Not given: the whole input (the "
+                         "environment is not read)")
+    sc.add_argument("--shard-index", type=int, default=None, help="this process's shard, 0..N-1")
     sc.add_argument("--data-parallel-size", type=positive_int, default=1,
                     help="engines of --tp-size GPUs each, one shard each, side by side on this host "
                          "(or Ray actors with --ray); the data set is merged when all have finished")
@@ -111,6 +111,11 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def shard_count(text: str) -> int | str:
+    """``--num-shards``: a whole number >= 1, or ``auto`` (from a SLURM job array or WORLD_SIZE/RANK)."""
+    return "auto" if text == "auto" else positive_int(text)
 
 
 def _fraction(text: str) -> float:
@@ -145,7 +150,7 @@ class ExtractConfig:
     max_in_flight_gb: float = 8.0
     token_freq_path: Path | None = None
     log_level: str = "INFO"
-    num_shards: int | None = None
+    num_shards: int | str | None = None  # 'auto': from the environment (docs/scale-out.md)
     shard_index: int | None = None
     data_parallel_size: int = 1
     engines_per_gpu: int = 1
@@ -318,19 +323,13 @@ def log_layer_stats(sample: Any, layer_ids: list[int], states: list[Any]) -> Non
 def extract(args: ExtractConfig) -> int:
     import speccompat
     from speccompat.dataset import (
-        EXIT_FAILED,
-        EXIT_OK,
         Rejected,
-        WriterFailed,
         collect_provenance,
         open_dataset,
         report_scan,
         scan_jsonl,
     )
-    from speccompat.dataset.fsutil import human
     from speccompat.dataset.shards import open_shard, resolve_shard
-    from speccompat.errors import KVCacheTooSmall
-    from speccompat.layers import describe_for_training
 
     started = time.monotonic()
     info, layer_ids = check_settings(args)
@@ -347,14 +346,24 @@ def extract(args: ExtractConfig) -> int:
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=layer_ids, dtype=args.dtype,
                               max_seq_len=args.max_seq_len, on_long_line=args.on_long_line,
                               tensor_parallel_size=args.tp_size, layout=args.format, status=status)
+    extra = {"train_data_path": str(args.prepared_data), "gpu_memory_utilization": args.gpu_memory_utilization,
+             "max_samples": args.limit}
     if shard.num_shards > 1:
         ds = open_shard(args.output_dir, scan.samples, prov, shard, overwrite=args.overwrite,
-                        speculators_version=status.speculators.get("raw"))
+                        speculators_version=status.speculators.get("raw"), extra=extra)
     else:
         ds = open_dataset(args.output_dir, scan.samples, prov, overwrite=args.overwrite,
-                          speculators_version=status.speculators.get("raw"))
-    ds.extra.update(train_data_path=str(args.prepared_data), gpu_memory_utilization=args.gpu_memory_utilization,
-                    max_samples=args.limit)
+                          speculators_version=status.speculators.get("raw"), extra=extra)
+    with ds:  # the directory's lock, released whatever happens below
+        return _extract_into(ds, args, shard, info, layer_ids, started)
+
+
+def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids: list[int], started: float) -> int:
+    from speccompat.dataset import EXIT_FAILED, EXIT_OK, WriterFailed
+    from speccompat.dataset.fsutil import human
+    from speccompat.errors import KVCacheTooSmall
+    from speccompat.layers import describe_for_training
+
     if not ds.todo:
         if shard.num_shards == 1:
             ds.finish(args.token_freq_path)

@@ -31,6 +31,8 @@ DTYPES = {"bfloat16": (2, "BF16", "bfloat16"), "float16": (2, "F16", "float16"),
 _ST_NAME = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64", "int32": "I32", "int8": "I8",
             "uint8": "U8", "float64": "F64"}
 SAFETENSORS, SPECULATORS = "safetensors", "speculators"
+#: the layouts this version writes and reads
+LAYOUTS = (SAFETENSORS, SPECULATORS)
 
 
 def tensor_buffer(t: Any) -> memoryview:
@@ -89,8 +91,9 @@ def encode_safetensors(named: list[tuple[str, Any]], metadata: dict[str, str]) -
 def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
     """(metadata, {name: (dtype, shape, buffer)}, mmap) of a safetensors file, without torch.
     Raises ``ValueError`` for a file that is not a complete safetensors file."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a symbolic link is refused (ELOOP)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
         head = f.read(8)
         if len(head) < 8:
             raise ValueError("shorter than a safetensors header")
@@ -102,15 +105,26 @@ def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, l
         except ValueError as exc:
             raise ValueError(f"header is not JSON: {exc}") from None
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
     meta = header.pop("__metadata__", {}) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("header __metadata__ is not an object of strings")
     start = 8 + n
     out = {}
     end_max = 0
     for name, info in header.items():
-        b, e = info["data_offsets"]
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise ValueError(f"tensor {name!r}: no valid data_offsets in the header")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)) \
+                or not isinstance(info.get("dtype"), str):
+            raise ValueError(f"tensor {name!r}: no valid dtype/shape in the header")
+        b, e = offsets
         if not 0 <= b <= e or start + e > size:
             raise ValueError(f"tensor {name}: data {b}..{e} outside the file ({size - start} data bytes)")
-        out[name] = (info["dtype"], list(info["shape"]), memoryview(mm)[start + b : start + e])
+        out[name] = (info["dtype"], list(shape), memoryview(mm)[start + b : start + e])
         end_max = max(end_max, e)
     if start + end_max != size:
         raise ValueError(f"{size - start - end_max} bytes after the last tensor")
@@ -147,6 +161,16 @@ class Layout:
     def read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
         return read_safetensors(path)
 
+    def finalize(self, ddir: Any, entries: list[dict[str, Any]], *, token_freq: Any, token_freq_path: Path,
+                 info: dict[str, Any]) -> None:
+        """Write the layout's side files once every sample is in place; called from the one finish
+        path (:func:`speccompat.dataset.finish.finish_dataset`) of a whole run and of a merge.
+        ``ddir``: the :class:`~speccompat.dataset.directory.DatasetDir`; ``entries``: the finished
+        entries in input order; ``token_freq``: a callable returning ``{token id: count}`` over the
+        loss-masked tokens of ``entries``; ``token_freq_path``: where that file goes; ``info``: the
+        header, provenance and run facts (``header``, ``provenance``, ``extra``, ``speculators_version``).
+        The safetensors layout has none."""
+
 
 class SpeculatorsLayout(Layout):
     name = SPECULATORS
@@ -176,7 +200,7 @@ class SpeculatorsLayout(Layout):
                "loss_mask": d["loss_mask"]}
         return Encoded(b"", [(n, st_dtype(t), list(t.shape), tensor_buffer(t)) for n, t in named], trailer=obj)
 
-    def read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
+    def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
         import torch
 
         try:
@@ -187,10 +211,24 @@ class SpeculatorsLayout(Layout):
             raise ValueError("not a speculators sample dict (input_ids, hidden_states, loss_mask)")
         out = {"input_ids": obj["input_ids"], "loss_mask": obj["loss_mask"]}
         layer_ids = getattr(self, "layer_ids", None) or list(range(len(obj["hidden_states"])))
+        if not isinstance(obj["hidden_states"], (list, tuple)) or not all(
+                isinstance(t, torch.Tensor) for t in [obj["input_ids"], obj["loss_mask"], *obj["hidden_states"]]):
+            raise ValueError("input_ids, loss_mask and hidden_states are not tensors")
         if len(obj["hidden_states"]) != len(layer_ids):
             raise ValueError(f"{len(obj['hidden_states'])} hidden-state tensors, expected {len(layer_ids)}")
         out.update({f"hidden_states_{i}": h for i, h in zip(layer_ids, obj["hidden_states"], strict=True)})
         return {}, {n: (st_dtype(t), list(t.shape), tensor_buffer(t)) for n, t in out.items()}, obj
+
+    def read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
+        if os.path.islink(path):
+            raise ValueError("a symbolic link (refused)")
+        return self._read(path)
+
+    def finalize(self, ddir: Any, entries: list[dict[str, Any]], *, token_freq: Any, token_freq_path: Path,
+                 info: dict[str, Any]) -> None:
+        from .speculators_format import write_side_files
+
+        write_side_files(ddir, entries, token_freq=token_freq, token_freq_path=token_freq_path, info=info)
 
 
 def layout_named(name: str, layer_ids: list[int] | None = None) -> Layout:

@@ -40,6 +40,10 @@ class FileOps:
     unlink = staticmethod(os.unlink)
 
     @staticmethod
+    def fsync_dir(path: str) -> None:
+        fsync_dir(Path(path))
+
+    @staticmethod
     def reserve(fd: int, size: int) -> None:
         """Reserve ``size`` bytes (a full disk fails here, before any byte is written)."""
         if size <= 0 or not hasattr(os, "posix_fallocate"):

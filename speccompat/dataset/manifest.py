@@ -5,6 +5,11 @@ Entry: ``{"id", "file", "line", "num_tokens", "truncated_from"?, "input_sha256",
 "tensors": {name: {"dtype", "shape", "checksum"}}}``. Entries are appended (and fsynced) by the
 writer before their files are renamed into place, so every visible sample file has its entry; the
 last entry of a file wins; a resume compacts the file (atomically) when it changed.
+
+The file is parsed once, here: a line that is not JSON, a header or an entry with a field of the
+wrong kind (a ``file`` that is not a plain sample-file name of the layout, a size that is not a
+number ...) is a problem naming the file and line; such an entry is dropped (its sample is
+redone), a malformed header leaves ``header`` None and says why in ``header_problem``.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .fsutil import write_atomic
+from .fsutil import FileOps, write_all, write_atomic
 
-__all__ = ["MANIFEST_NAME", "SCHEMA_VERSION", "Manifest"]
+__all__ = ["MANIFEST_NAME", "SCHEMA_VERSION", "Manifest", "entry_problem", "header_problem"]
 
 logger = logging.getLogger("speccompat.dataset")
 
@@ -25,38 +30,124 @@ MANIFEST_NAME = "manifest.jsonl"
 SCHEMA_VERSION = 1
 
 
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def header_problem(obj: Any) -> str | None:
+    """Why ``obj`` is not a usable data-set header (None when it is one)."""
+    from .checksum import ALGORITHMS
+    from .formats import DTYPES, LAYOUTS
+
+    if not isinstance(obj, dict):
+        return "not a JSON object"
+    if obj.get("speccompat_dataset") != SCHEMA_VERSION:
+        return f"speccompat_dataset is {obj.get('speccompat_dataset')!r}, this version reads {SCHEMA_VERSION}"
+    if obj.get("layout") not in LAYOUTS:
+        return f"layout {obj.get('layout')!r} is not one of {', '.join(LAYOUTS)}"
+    if obj.get("checksum") not in ALGORITHMS:
+        return f"checksum {obj.get('checksum')!r} is not one of {', '.join(ALGORITHMS)}"
+    prov = obj.get("provenance")
+    if not isinstance(prov, dict):
+        return "provenance is not an object"
+    hs, model = prov.get("hidden_states"), prov.get("model")
+    if not isinstance(hs, dict) or not isinstance(hs.get("layer_ids"), list) or not hs["layer_ids"] \
+            or not all(_int(i) for i in hs["layer_ids"]):
+        return "provenance.hidden_states.layer_ids is not a list of layer numbers"
+    if hs.get("dtype") not in DTYPES:
+        return f"provenance.hidden_states.dtype {hs.get('dtype')!r} is not one of {', '.join(DTYPES)}"
+    if not isinstance(model, dict) or not _int(model.get("hidden_size")) or not _int(model.get("vocab_size")):
+        return "provenance.model.hidden_size/vocab_size are not numbers"
+    if not _int(prov.get("max_seq_len")):
+        return "provenance.max_seq_len is not a number"
+    if not isinstance(obj.get("provenance_sha256"), str):
+        return "provenance_sha256 is not a string"
+    return None
+
+
+def entry_problem(obj: dict[str, Any], suffix: str | None) -> str | None:
+    """Why ``obj`` is not a usable entry (None when it is one); ``suffix``: the layout's file suffix."""
+    from .directory import bad_name
+
+    if not isinstance(obj.get("id"), str):
+        return "id is not a string"
+    f = obj.get("file")
+    why = bad_name(f)
+    if why is not None:
+        return f"file {f!r} {why}: not a file name inside the data set"
+    if f.startswith(".") or (suffix is not None and not f.endswith(suffix)):
+        return f"file {f!r} is not a sample file name of this layout"
+    for key in ("line", "num_tokens", "bytes"):
+        if not _int(obj.get(key)):
+            return f"{key} is {obj.get(key)!r}, not a number"
+    if not isinstance(obj.get("input_sha256"), str):
+        return "input_sha256 is not a string"
+    tensors = obj.get("tensors")
+    if not isinstance(tensors, dict):
+        return "tensors is not an object"
+    for name, t in tensors.items():
+        if not isinstance(t, dict) or not isinstance(t.get("dtype"), str) or not isinstance(t.get("checksum"), str) \
+                or not isinstance(t.get("shape"), list) or not all(_int(d) for d in t["shape"]):
+            return f"tensors.{name} is not {{dtype, shape, checksum}}"
+    return None
+
+
 class Manifest:
-    def __init__(self, out_dir: Path) -> None:
-        self.path = Path(out_dir) / MANIFEST_NAME
+    def __init__(self, out_dir: Path, name: str = MANIFEST_NAME, ops: FileOps | None = None) -> None:
+        self.path = Path(out_dir) / name
+        self.ops = ops or FileOps()
         self.header: dict[str, Any] | None = None
+        self.header_problem: str | None = None  # line 1 is a header that cannot be used, and why
         self.entries: dict[str, dict[str, Any]] = {}  # file -> entry
         self.problems: list[str] = []  # lines that could not be read
 
+    def _read(self) -> bytes:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return b""
+        except OSError as exc:
+            from .errors import Rejected
+
+            raise Rejected(f"cannot read {self.path}: {exc.strerror} (a manifest must be a plain file)") from None
+        with os.fdopen(fd, "rb") as f:
+            return f.read()
+
     def load(self) -> Manifest:
         """Read the file (missing: empty). A torn last line (a crash mid-append) is dropped."""
-        self.header, self.entries, self.problems = None, {}, []
-        try:
-            raw = self.path.read_bytes()
-        except FileNotFoundError:
-            return self
-        lines = raw.split(b"\n")
+        self.header, self.header_problem, self.entries, self.problems = None, None, {}, []
+        lines = self._read().split(b"\n")
+        suffix = None
         for no, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
+            where = f"{self.path.name} line {no}"
             try:
                 obj = json.loads(line)
                 if not isinstance(obj, dict):
                     raise ValueError("not an object")
             except ValueError:
-                self.problems.append(f"{self.path.name} line {no} is malformed" +
+                self.problems.append(f"{where} is malformed" +
                                      (" (torn last line of an interrupted append)" if no == len(lines) else ""))
                 continue
             if no == 1 and "speccompat_dataset" in obj:
-                self.header = obj
+                why = header_problem(obj)
+                if why is None:
+                    self.header = obj
+                    from .formats import layout_named
+
+                    suffix = layout_named(obj["layout"]).suffix
+                else:
+                    self.header_problem = f"{where} (the header): {why}"
+                    self.problems.append(self.header_problem)
             elif "file" in obj and "id" in obj:
-                self.entries[obj["file"]] = obj
+                why = entry_problem(obj, suffix)
+                if why is None:
+                    self.entries[obj["file"]] = obj
+                else:
+                    self.problems.append(f"{where}: {why}")
             else:
-                self.problems.append(f"{self.path.name} line {no} is neither the header nor an entry")
+                self.problems.append(f"{where} is neither the header nor an entry")
         return self
 
     @property
@@ -74,24 +165,23 @@ class Manifest:
         """Write header and entries atomically, if that changes the file."""
         text = self.text()
         try:
-            if self.path.read_text(encoding="utf-8") == text:
+            if self._read().decode("utf-8") == text:
                 return
-        except (FileNotFoundError, UnicodeDecodeError):
+        except Exception:  # noqa: BLE001 - unreadable (not UTF-8, a symbolic link ...): replaced
             pass
         write_atomic(self.path, text.encode("utf-8"))
 
     def append(self, entries: list[dict[str, Any]]) -> None:
-        """Append entries and fsync (one write, one fsync for a batch)."""
+        """Append entries and fsync (one write, one fsync for a batch), through :attr:`ops`."""
         if not entries:
             return
         data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode("utf-8")
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        ops = self.ops
+        fd = ops.open(str(self.path), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
+            write_all(ops, fd, memoryview(data))
+            ops.fsync(fd)
         finally:
-            os.close(fd)
+            ops.close(fd)
         for e in entries:
             self.entries[e["file"]] = e

@@ -27,14 +27,9 @@ that every input sample is present exactly once (:func:`check_inputs`).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
-import json
 import logging
 import os
-import re
-import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,42 +38,29 @@ from typing import Any
 
 from . import provenance as prov_mod
 from .checksum import default_algorithm, digest_fn
-from .errors import Rejected
+from .directory import HEADER_NAME, PART_LOCK_RE, PART_RE, DatasetDir, part_lock_name, part_name, plan_resume
+from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, DatasetError, Rejected
 from .formats import layout_named
-from .fsutil import (
-    LOCK_NAME,
-    TMP_SUFFIX,
-    fsync_dir,
-    human,
-    lock_output_dir,
-    write_durable,
-)
+from .fsutil import LOCK_NAME, fsync_dir, human
 from .inputs import Sample
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
+from .store import OpenDataset, differences, expected_bytes, refuse_differences, run_facts, run_info
+from .verify import verify_dataset
 
-__all__ = ["HEADER_NAME", "ShardSpec", "check_inputs", "find_parts", "merge_dataset", "open_shard", "part_name",
-           "resolve_shard", "shard_of"]
+__all__ = ["HEADER_NAME", "PART_RE", "ShardSpec", "check_inputs", "find_parts", "merge_dataset", "open_shard",
+           "part_name", "resolve_shard", "shard_of"]
 
 logger = logging.getLogger("speccompat.dataset")
 
-#: The header every shard of a data set shares (created once by the first shard).
-HEADER_NAME = "manifest.header.json"
-PART_RE = re.compile(r"^manifest\.shard-(\d+)-of-(\d+)\.jsonl$")
-PART_LOCK_RE = re.compile(r"^\.speccompat-shard-(\d+)-of-(\d+)\.lock$")
+#: the environment variables a job scheduler or launcher sets, read only with ``--num-shards auto``
+ENV_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_STEP", "RANK",
+            "WORLD_SIZE")
 
 
 def shard_of(sample_id: str, num_shards: int) -> int:
     """The shard (0 .. num_shards-1) of ``sample_id``: depends on the id's bytes and N only."""
     raw = str(sample_id).encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.sha256(raw).digest()[:8], "big") % num_shards
-
-
-def part_name(index: int, num_shards: int) -> str:
-    return f"manifest.shard-{index:05d}-of-{num_shards:05d}.jsonl"
-
-
-def part_lock_name(index: int, num_shards: int) -> str:
-    return f".speccompat-shard-{index:05d}-of-{num_shards:05d}.lock"
 
 
 @dataclass(frozen=True)
@@ -101,253 +83,171 @@ def _env_int(env: Mapping[str, str], name: str) -> int | None:
         raise Rejected(f"{name}={raw!r} is not an integer") from None
 
 
-def resolve_shard(num_shards: int | None, shard_index: int | None,
+def resolve_shard(num_shards: int | str | None, shard_index: int | None,
                   env: Mapping[str, str] | None = None) -> ShardSpec:
-    """This process's shard: ``--num-shards``/``--shard-index`` when given, else from a SLURM job
-    array (``SLURM_ARRAY_TASK_ID`` - ``SLURM_ARRAY_TASK_MIN``, in steps of ``SLURM_ARRAY_TASK_STEP``,
-    of ``SLURM_ARRAY_TASK_COUNT``), else from ``RANK``/``WORLD_SIZE``, else shard 0 of 1."""
+    """This process's shard. ``--num-shards N --shard-index K``: shard K of N. ``--num-shards auto``:
+    from a SLURM job array (``SLURM_ARRAY_TASK_ID`` - ``SLURM_ARRAY_TASK_MIN``, in steps of
+    ``SLURM_ARRAY_TASK_STEP``, of ``SLURM_ARRAY_TASK_COUNT``), else from ``RANK``/``WORLD_SIZE``
+    (:class:`Rejected` when neither is set). Neither flag: the whole input (shard 0 of 1); the
+    environment is never read then, and a warning names the variables it ignored (a job inside an
+    unrelated allocation or ``torchrun`` must not silently write a part of the input)."""
     env = os.environ if env is None else env
-    n_src = i_src = None
-    n_env = i_env = None
+    if num_shards is None:
+        if shard_index is not None:
+            raise Rejected("--shard-index without --num-shards: pass --num-shards N (or --num-shards auto)")
+        seen = [f"{k}={env[k]}" for k in ENV_VARS if (env.get(k) or "").strip()]
+        if seen:
+            logger.warning("%s set in the environment but ignored: this process extracts the whole input. Pass "
+                           "--num-shards auto to take its shard from them", ", ".join(seen))
+        return ShardSpec(1, 0, "default: one shard")
+    if num_shards == "auto":
+        if shard_index is not None:
+            raise Rejected("--num-shards auto takes the shard index from the environment: drop --shard-index")
+        n, i, src = _from_env(env)
+    else:
+        n, src = int(num_shards), "--num-shards"
+        if shard_index is None:
+            if n != 1:
+                raise Rejected(f"--num-shards {n} without --shard-index: pass --shard-index (or --num-shards auto "
+                               "to take both from a SLURM array or RANK/WORLD_SIZE)")
+            i = 0
+        else:
+            i, src = shard_index, "--num-shards and --shard-index"
+    if n < 1:
+        raise Rejected(f"the number of shards must be at least 1, got {n} ({src})")
+    if not 0 <= i < n:
+        raise Rejected(f"shard index {i} is outside 0..{n - 1} for {n} shards ({src})")
+    return ShardSpec(n, i, src)
+
+
+def _from_env(env: Mapping[str, str]) -> tuple[int, int, str]:
     task = _env_int(env, "SLURM_ARRAY_TASK_ID")
     if task is not None:
         count = _env_int(env, "SLURM_ARRAY_TASK_COUNT")
         lo = _env_int(env, "SLURM_ARRAY_TASK_MIN") or 0
         step = _env_int(env, "SLURM_ARRAY_TASK_STEP") or 1
         if count is None:
-            raise Rejected("SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not: pass --num-shards")
+            raise Rejected("SLURM_ARRAY_TASK_ID is set but SLURM_ARRAY_TASK_COUNT is not: pass --num-shards N "
+                           "--shard-index K")
         if (task - lo) % step or not 0 <= (task - lo) // step < count:
             raise Rejected(f"cannot derive a shard index from SLURM_ARRAY_TASK_ID={task} (min {lo}, step {step}, "
                            f"count {count}): an array of evenly spaced ids is needed, or pass --num-shards and "
                            "--shard-index")
-        n_env, i_env = count, (task - lo) // step
-        src = "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT" + (" (from SLURM_ARRAY_TASK_MIN)" if lo else "")
-    elif _env_int(env, "WORLD_SIZE") is not None or _env_int(env, "RANK") is not None:
-        n_env, i_env = _env_int(env, "WORLD_SIZE"), _env_int(env, "RANK")
-        if n_env is None or i_env is None:
-            raise Rejected("only one of RANK and WORLD_SIZE is set: set both, or pass --num-shards/--shard-index")
-        src = "RANK/WORLD_SIZE"
-    else:
-        src = None
-    if num_shards is not None:
-        n, n_src = num_shards, "--num-shards"
-    elif n_env is not None:
-        n, n_src = n_env, src
-    else:
-        n = 1
-    if shard_index is not None:
-        i, i_src = shard_index, "--shard-index"
-    elif i_env is not None and (num_shards is None or num_shards == n_env):
-        i, i_src = i_env, src
-    elif n == 1:
-        i = 0
-    else:
-        raise Rejected(f"--num-shards {n} without --shard-index (and no SLURM array or RANK/WORLD_SIZE of "
-                       f"{n} in the environment): pass --shard-index")
-    if n < 1:
-        raise Rejected(f"the number of shards must be at least 1, got {n} ({n_src})")
-    if not 0 <= i < n:
-        raise Rejected(f"shard index {i} ({i_src}) is outside 0..{n - 1} for {n} shards ({n_src})")
-    if n_src is None and i_src is None:
-        source = "default: one shard"
-    elif n_src == i_src:
-        source = n_src
-    else:
-        source = f"{n_src or 'default'} and {i_src or 'default'}"
-    return ShardSpec(n, i, source)
+        return count, (task - lo) // step, ("SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT"
+                                            + (" (from SLURM_ARRAY_TASK_MIN)" if lo else ""))
+    n, i = _env_int(env, "WORLD_SIZE"), _env_int(env, "RANK")
+    if n is None and i is None:
+        raise Rejected("--num-shards auto: neither a SLURM job array (SLURM_ARRAY_TASK_ID) nor RANK/WORLD_SIZE is "
+                       "set in the environment")
+    if n is None or i is None:
+        raise Rejected("only one of RANK and WORLD_SIZE is set: set both, or pass --num-shards/--shard-index")
+    return n, i, "RANK/WORLD_SIZE"
 
 
 def find_parts(out_dir: Path) -> list[Path]:
     """The manifest parts in ``out_dir``, in name order."""
-    try:
-        return sorted(p for p in Path(out_dir).iterdir() if PART_RE.match(p.name))
-    except FileNotFoundError:
-        return []
+    ddir = DatasetDir(out_dir)
+    return [ddir.path(n) for n in ddir.parts()]
 
 
-def _part(out_dir: Path, name: str) -> Manifest:
-    m = Manifest(out_dir)
-    m.path = Path(out_dir) / name
-    return m.load()
+def _warn(m: Manifest) -> Manifest:
+    for problem in m.problems:
+        logger.warning("%s: dropped (its sample is redone)", problem)
+    return m
 
 
-def _lock(path: Path, exclusive: bool, what: str) -> Any:
-    try:
-        handle = open(path, "a+")  # noqa: SIM115 - held for the life of the process
-    except OSError as exc:
-        raise Rejected(f"cannot create the lock file {path}: {exc.strerror}") from None
-    try:
-        fcntl.flock(handle, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise Rejected(what) from None
-    return handle
-
-
-def _shared_header(out_dir: Path, header: dict[str, Any]) -> dict[str, Any]:
-    """The header all shards use: ``manifest.header.json`` if present, else ``header``, written
-    there atomically unless another shard was first (then theirs)."""
-    path = out_dir / HEADER_NAME
-    data = (json.dumps(header, ensure_ascii=False) + "\n").encode("utf-8")
-    tmp = out_dir / f"{HEADER_NAME}.{os.getpid()}{TMP_SUFFIX}"
-    if not path.exists():
-        write_durable(tmp, data)
-        try:
-            os.link(tmp, path)  # atomic and exclusive: fails with EEXIST when another shard was first
-            fsync_dir(out_dir)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
-            with contextlib.suppress(FileExistsError):  # no hard links here: exclusive create
-                write_durable(path, data, os.O_EXCL)
-        finally:
-            tmp.unlink(missing_ok=True)
-    for _ in range(50):
-        try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-            if isinstance(stored, dict) and "provenance" in stored:
-                return stored
-        except ValueError:
-            pass
-        time.sleep(0.1)  # written by another shard just now (without hard links)
-    raise Rejected(f"{path} is not a data-set header; remove it if no shard is running")
-
-
-def _stored_entries(out_dir: Path, own: str | None) -> tuple[list[Manifest], dict[str, list[dict[str, Any]]]]:
-    """Every manifest (``manifest.jsonl`` first, then the parts; ``own`` excluded) and id -> entries."""
+def _stored(ddir: DatasetDir, own: Manifest) -> tuple[list[Manifest], dict[str, list[dict[str, Any]]]]:
+    """The other manifests (``manifest.jsonl`` first, then the parts) and id -> entries of all,
+    this shard's own first."""
     manifests = []
-    base = Manifest(out_dir).load()
-    if base.header is not None or base.entries:
+    base = _warn(ddir.manifest())
+    if base.header is not None or base.entries or base.header_problem:
         manifests.append(base)
-    manifests += [_part(out_dir, p.name) for p in find_parts(out_dir) if p.name != own]
+    manifests += [_warn(ddir.manifest(n)) for n in ddir.parts() if n != own.path.name]
     by_id: dict[str, list[dict[str, Any]]] = {}
-    for m in manifests:
-        for problem in m.problems:
-            logger.warning("%s: dropped", problem)
+    for m in [own, *manifests]:
         for e in m.entries.values():
             by_id.setdefault(e["id"], []).append(e)
     return manifests, by_id
 
 
 def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], shard: ShardSpec, *,
-               overwrite: bool = False, check_threads: int = 4, speculators_version: str | None = None) -> Any:
+               overwrite: bool = False, check_threads: int = 4, speculators_version: str | None = None,
+               extra: dict[str, Any] | None = None) -> Any:
     """:func:`speccompat.dataset.store.open_dataset` for shard ``shard.index`` of ``shard.num_shards``:
     ``samples`` is the whole input (the same in every shard); the result's ``todo`` holds this
-    shard's samples that no shard has finished, and its manifest is this shard's part."""
-    from .store import OpenDataset, _resume, _run_facts, check_file
-
+    shard's samples that no shard has finished, and its manifest is this shard's part. The locks
+    are released when it is refused."""
     if overwrite:
         raise Rejected("--overwrite cannot be combined with shards: a shard can start anew only its own part. "
                        "Delete the data set or use another --output-dir")
-    out_dir = Path(out_dir)
-    layer_ids, dtype, hidden, layout = _run_facts(out_dir, provenance)
+    ddir = DatasetDir(out_dir)
+    out_dir = ddir.root
+    layer_ids, dtype, hidden, layout = run_facts(ddir, provenance)
     K, N = shard.index, shard.num_shards
-    own_name = part_name(K, N)
-    dir_lock = _lock(out_dir / LOCK_NAME, False, f"{out_dir} is held by an unsharded extraction or a "
-                     "`speccompat merge` (only shards can run beside shards)")
-    part_lock = _lock(out_dir / part_lock_name(K, N), True,
-                      f"shard {K} of {N} is already running on {out_dir}")
+    with contextlib.ExitStack() as stack:
+        dir_lock = stack.enter_context(ddir.lock(LOCK_NAME, exclusive=False, busy=(
+            f"{out_dir} is held by an unsharded extraction or a `speccompat merge` (only shards can run beside "
+            "shards)")))
+        part_lock = stack.enter_context(ddir.lock(part_lock_name(K, N), busy=f"shard {K} of {N} is already running "
+                                                  f"on {out_dir}"))
+        if ddir.interrupted_overwrite():
+            raise Rejected(f"{out_dir} holds an interrupted --overwrite: finish it with an unsharded run and "
+                           "--overwrite, or use another --output-dir")
+        mine = [s for s in samples if shard_of(s.id, N) == K]
+        own = _warn(ddir.manifest(part_name(K, N)))
+        manifests, by_id = _stored(ddir, own)
+        for m in [own, *manifests]:
+            if m.header_problem:
+                raise Rejected(f"{out_dir}/{m.header_problem}: the data set cannot be resumed; use another "
+                               "--output-dir")
 
-    mine = [s for s in samples if shard_of(s.id, N) == K]
-    own = _part(out_dir, own_name)
-    for problem in own.problems:
-        logger.warning("%s: dropped", problem)
-    manifests, others = _stored_entries(out_dir, own_name)
-    by_id: dict[str, list[dict[str, Any]]] = {}
-    for e in own.entries.values():  # this shard's own entries are tried first
-        by_id.setdefault(e["id"], []).append(e)
-    for i, es in others.items():
-        by_id.setdefault(i, []).extend(es)
+        # the shared header: manifest.jsonl's when there is one, else manifest.header.json
+        base = next((m for m in manifests if m.path.name == MANIFEST_NAME and m.header is not None), None)
+        stored_header = base.header if base is not None else None
+        if stored_header is None:
+            fresh = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": default_algorithm(),
+                     "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance)}
+            stored_header = ddir.shared_header(fresh)
+        diffs = []
+        if stored_header.get("speccompat_dataset") != SCHEMA_VERSION:
+            diffs.append(f"manifest schema {stored_header.get('speccompat_dataset')} -> {SCHEMA_VERSION}")
+        diffs += differences(stored_header, provenance, samples, by_id)
+        for m in [own, *manifests]:
+            if m.header is not None and m.header.get("provenance_sha256") != stored_header.get("provenance_sha256"):
+                diffs.append(f"{m.path.name}: made with another provenance: " + "; ".join(
+                    prov_mod.differences(m.header.get("provenance") or {}, provenance)[:3]))
+        refuse_differences(out_dir, diffs, "Use another --output-dir")
+        checksum = stored_header.get("checksum")
+        try:
+            digest = digest_fn(checksum)
+        except ValueError as exc:
+            raise Rejected(str(exc)) from None
+        created = (stored_header.get("provenance") or {}).get("created")
+        if created:
+            provenance = {**provenance, "created": created}
+        own.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": checksum,
+                      "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance),
+                      "run": run_info(extra)}
 
-    # the shared header: manifest.jsonl's when there is one, else manifest.header.json
-    base = next((m for m in manifests if m.path.name == MANIFEST_NAME and m.header is not None), None)
-    stored_header = base.header if base is not None else None
-    if stored_header is None:
-        fresh = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": default_algorithm(),
-                 "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance)}
-        stored_header = _shared_header(out_dir, fresh)
-    diffs: list[str] = []
-    if stored_header.get("speccompat_dataset") != SCHEMA_VERSION:
-        diffs.append(f"manifest schema {stored_header.get('speccompat_dataset')} -> {SCHEMA_VERSION}")
-    diffs += prov_mod.differences(stored_header.get("provenance") or {}, provenance)
-    for m in [own, *manifests]:
-        if m.header is not None and m.header.get("provenance_sha256") != stored_header.get("provenance_sha256"):
-            diffs.append(f"{m.path.name}: made with another provenance: " + "; ".join(
-                prov_mod.differences(m.header.get("provenance") or {}, provenance)[:3]))
-    for s in samples:
-        for e in by_id.get(s.id, ()):
-            if e.get("input_sha256") != s.digest:
-                diffs.append(f"id {s.id!r} (line {s.line}): input_ids/loss_mask differ from the ones its file "
-                             f"{e['file']} was made from")
-                break
-    if diffs:
-        shown = diffs[:20] + ([f"... and {len(diffs) - 20} more"] if len(diffs) > 20 else [])
-        raise Rejected(f"{out_dir} holds a data set made differently; nothing was started or written. "
-                       "Differences (stored -> this run):\n  " + "\n  ".join(shown) +
-                       "\nUse another --output-dir")
-    checksum = stored_header["checksum"]
-    try:
-        digest = digest_fn(checksum)
-    except ValueError as exc:
-        raise Rejected(str(exc)) from None
-    created = (stored_header.get("provenance") or {}).get("created")
-    if created:
-        provenance = {**provenance, "created": created}
-    own.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": checksum,
-                  "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance)}
-
-    # file names: as the data set has them, else by id (safetensors) or data_<global index> (speculators)
-    files: dict[str, str] = {}
-    taken = {e["file"] for es in by_id.values() for e in es}
-    index = {s.id: k for k, s in enumerate(samples)}
-    extra = 0
-    for s in mine:
-        if s.id in by_id:
-            files[s.id] = by_id[s.id][0]["file"]
-            continue
-        name = layout.file_name(s.id, index[s.id])
-        while name in taken:  # another id has it: a name no other shard of this split can pick
-            name = layout.file_name(s.id, len(samples) + K + N * extra)
-            extra += 1
-        files[s.id] = name
-        taken.add(name)
-
-    # leftovers of this shard's own interrupted writes (other shards may be writing theirs now)
-    own_files = set(files.values())
-    tmp_re = re.compile(r"^(.*)\.\d+" + re.escape(TMP_SUFFIX) + "$")
-    leftovers = [p for p in out_dir.iterdir() if (m := tmp_re.match(p.name)) and m.group(1) in own_files]
-    for p in leftovers:
-        p.unlink(missing_ok=True)
-    if leftovers:
-        logger.info("removed %d temporary file(s) left by an interrupted run of this shard", len(leftovers))
-
-    # resume: every file this shard would skip is checked against an entry of any part
-    candidates = [s for s in mine if s.id in by_id]
-
-    def check(s: Sample) -> str | None:
-        why = None
-        for e in by_id[s.id]:
-            if e["file"] != files[s.id]:
-                continue
-            why = check_file(out_dir / e["file"], e, layout, digest)
-            if why is None:
-                return None
-        return why or "missing"
-
-    done_ids, todo, need, free = _resume(out_dir, own, mine, candidates, files, check,
-                                         checked="of this shard against the manifests", check_threads=check_threads,
-                                         layer_ids=layer_ids, hidden=hidden, dtype=dtype)
-    logger.info("shard %d of %d: %d of the input's %d samples; %d already done (by any shard); %d to extract "
-                "(layers %s, hidden %d, %s, %s layout); %s still to write, free in %s: %s", K, N, len(mine),
-                len(samples), len(done_ids), len(todo), layer_ids, hidden, dtype, layout.name, human(need), out_dir,
-                human(free))
-    if need > free:
-        raise Rejected(f"not enough disk space in {out_dir}: {human(need)} needed by this shard, {human(free)} free")
-    ds = OpenDataset(out_dir, layout, own, provenance, mine, todo, files, len(done_ids), layer_ids, dtype, hidden,
-                     (dir_lock, part_lock), speculators_version)
-    ds.extra["shard"] = shard
+        # leftovers of this shard's own interrupted writes (other shards may be writing theirs now)
+        plan = plan_resume(ddir, own, samples, mine, by_id, layout, digest, index=K, num_shards=N,
+                           check_threads=check_threads, what="of this shard against the manifests")
+        ddir.remove_leftovers(set(plan.files.values()))
+        need = expected_bytes(plan.todo, len(layer_ids), hidden, dtype)
+        free = ddir.free()
+        logger.info("shard %d of %d: %d of the input's %d samples; %d already done (by any shard); %d to extract "
+                    "(layers %s, hidden %d, %s, %s layout); %s still to write, free in %s: %s", K, N, len(mine),
+                    len(samples), len(plan.done_ids), len(plan.todo), layer_ids, hidden, dtype, layout.name,
+                    human(need), out_dir, human(free))
+        if need > free:
+            raise Rejected(f"not enough disk space in {out_dir}: {human(need)} needed by this shard, "
+                           f"{human(free)} free")
+        ds = OpenDataset(out_dir, layout, own, provenance, mine, plan.todo, plan.files, len(plan.done_ids),
+                         layer_ids, dtype, hidden, (dir_lock, part_lock), speculators_version)
+        ds.extra.update(extra or {})
+        ds.extra["shard"] = shard
+        stack.pop_all()
     return ds
 
 
@@ -362,31 +262,29 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
     """Join the manifest parts of ``out_dir`` (and its ``manifest.jsonl``) into one ``manifest.jsonl``;
     raises :class:`Rejected` while a shard is running. Returns the join's problems (nothing is
     written when the parts disagree on provenance); verify the result with ``verify_dataset``."""
-    from .store import check_file
-
-    out_dir = Path(out_dir)
+    ddir = DatasetDir(out_dir)
+    out_dir = ddir.root
     if not out_dir.is_dir():
         raise Rejected(f"{out_dir} is not a directory")
     try:
-        lock = lock_output_dir(out_dir)
+        lock = ddir.lock()
     except Rejected as exc:
         raise Rejected(f"{exc}: merge when every shard has ended") from None
-    try:
-        parts = [_part(out_dir, p.name) for p in find_parts(out_dir)]
-        base = Manifest(out_dir).load()
-        header_file = out_dir / HEADER_NAME
-        shared = json.loads(header_file.read_text(encoding="utf-8")) if header_file.exists() else None
-        sources = ([base] if base.header is not None or base.entries else []) + parts
+    with lock:
+        parts = [ddir.manifest(n) for n in ddir.parts()]
+        base = ddir.manifest()
+        shared = ddir.read_json(HEADER_NAME)
+        sources = ([base] if base.header is not None or base.entries or base.header_problem else []) + parts
         names = [m.path.name for m in parts]
         if not parts:
             return MergeResult([] if base.header is not None else
-                               [f"{out_dir}: neither {MANIFEST_NAME} nor manifest parts: not a data set"],
-                               len(base.entries), [])
+                               [base.header_problem or f"{out_dir}: neither {MANIFEST_NAME} nor manifest parts: "
+                                "not a data set"], len(base.entries), [])
         ref = base.header or next((m.header for m in parts if m.header is not None), None) or shared
         problems: list[str] = []
         for m in sources:
             problems += [f"{p} (dropped)" for p in m.problems]
-        if ref is None:
+        if not isinstance(ref, dict):
             return MergeResult([*problems, "no manifest part has a header"], 0, names)
         for m in sources:
             h = m.header
@@ -405,7 +303,7 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
 
         prov = ref["provenance"]
         layout = layout_named(ref["layout"], prov["hidden_states"]["layer_ids"])
-        digest = digest_fn(ref["checksum"])
+        check = ddir.check_fn(layout, digest_fn(ref["checksum"]))
         by_file: dict[str, list[dict[str, Any]]] = {}
         for m in sources:
             for f, e in m.entries.items():
@@ -414,8 +312,7 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
         conflicts = {f: es for f, es in by_file.items() if len(es) > 1}
 
         def resolve(item: tuple[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
-            f, es = item
-            return next((e for e in es if check_file(out_dir / f, e, layout, digest) is None), None)
+            return next((e for e in item[1] if check(e) is None), None)
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             chosen = dict(zip(conflicts, pool.map(resolve, conflicts.items()), strict=True))
@@ -428,22 +325,20 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
             else:
                 problems.append(f"{f}: {len(es)} different entries in the parts and the file matches none; "
                                 "it is left out (a re-run redoes it)")
-        merged.sort(key=lambda e: (e.get("line", 0), str(e["id"])))
+        merged.sort(key=lambda e: (e["line"], str(e["id"])))
         out = Manifest(out_dir)
         out.header = ref
         out.entries = {e["file"]: e for e in merged}
         out.rewrite()
         fsync_dir(out_dir)
-        for p in [*(out_dir / n for n in names), header_file]:
-            p.unlink(missing_ok=True)
-        for p in out_dir.iterdir():
-            if PART_LOCK_RE.match(p.name):
-                p.unlink(missing_ok=True)
+        for n in [*names, HEADER_NAME]:
+            ddir.unlink(n)
+        for n in ddir.names():
+            if PART_LOCK_RE.match(n):
+                ddir.unlink(n)
         fsync_dir(out_dir)
         logger.info("merged %d manifest part(s) into %s: %d entries", len(names), out.path, len(merged))
         return MergeResult(problems, len(merged), names)
-    finally:
-        lock.close()
 
 
 def _on_long(prov: dict[str, Any]) -> str:
@@ -451,19 +346,22 @@ def _on_long(prov: dict[str, Any]) -> str:
     return t.get("on_long_line", "truncate") if isinstance(t, dict) else str(t)
 
 
+def _scan_as_run(prov: dict[str, Any], inputs: Path, limit: int | None) -> Any:
+    from .inputs import scan_jsonl
+
+    on_long = _on_long(prov)
+    return scan_jsonl(Path(inputs), vocab_size=int(prov["model"]["vocab_size"]), max_seq_len=int(prov["max_seq_len"]),
+                      on_bad="skip", on_long="skip" if on_long == "fail" else on_long, limit=limit)
+
+
 def check_inputs(out_dir: Path, inputs: Path, limit: int | None = None) -> tuple[list[str], int]:
     """Every sample of ``inputs`` (read as the run read it: the provenance's vocabulary, length and
     truncation) is in the data set exactly once, made from the same ids and mask, and the data set
     holds nothing else. (problems, number of input samples)."""
-    from .inputs import scan_jsonl
-
-    m = Manifest(out_dir).load()
+    m = DatasetDir(out_dir).manifest()
     if m.header is None:
-        return [f"{m.path}: no manifest header"], 0
-    prov = m.provenance or {}
-    on_long = _on_long(prov)
-    scan = scan_jsonl(Path(inputs), vocab_size=int(prov["model"]["vocab_size"]), max_seq_len=int(prov["max_seq_len"]),
-                      on_bad="skip", on_long="skip" if on_long == "fail" else on_long, limit=limit)
+        return [m.header_problem or f"{m.path}: no manifest header"], 0
+    scan = _scan_as_run(m.provenance or {}, inputs, limit)
     by_id: dict[str, list[dict[str, Any]]] = {}
     for e in m.entries.values():
         by_id.setdefault(str(e["id"]), []).append(e)
@@ -482,13 +380,16 @@ def check_inputs(out_dir: Path, inputs: Path, limit: int | None = None) -> tuple
 
 
 def add_parser(sub: Any) -> Any:
-    m = sub.add_parser("merge", help="join the manifest parts of a sharded extraction into manifest.jsonl and "
-                       "verify the data set (exit 0 intact, 1 problems found, 2 not a data set or a shard running)")
+    m = sub.add_parser("merge", help="join the manifest parts of a sharded extraction into manifest.jsonl, write the "
+                       "layout's side files and verify the data set (exit 0 intact, 1 problems found, 2 refused: not "
+                       "a data set or a shard running, 130 interrupted)")
     m.add_argument("dir", type=Path, help="the data set's directory")
     m.add_argument("--inputs", type=Path, default=None,
                    help="the extraction's input (JSONL): check that every sample is present exactly once")
     m.add_argument("--limit", type=int, default=None, help="the extraction's --limit, if it had one")
     m.add_argument("--threads", type=int, default=4, help="files checked in parallel")
+    m.add_argument("--token-freq-path", type=Path, default=None,
+                   help="--format speculators: token-frequency file (default: <dir>.token_freq.pt)")
     m.add_argument("--no-verify", action="store_true", help="join only; do not read the files back")
     return m
 
@@ -496,50 +397,69 @@ def add_parser(sub: Any) -> Any:
 def main(args: Any) -> int:
     import sys
 
-    from .verify import verify_dataset
-
     out_dir: Path = args.dir
     try:
         res = merge_dataset(out_dir, args.threads)
+        problems = list(res.problems)
+        if not (out_dir / MANIFEST_NAME).is_file():
+            for line in problems:
+                print(line)
+            return EXIT_REJECTED
+        print(f"merge {out_dir}: {len(res.parts)} part(s) joined, {res.entries} entries", file=sys.stderr)
+        n = res.entries
+        if not args.no_verify:
+            found, n = verify_dataset(out_dir, args.threads)
+            problems += found
+        samples = None
+        if args.inputs is not None:
+            found, n_in = check_inputs(out_dir, args.inputs, args.limit)
+            problems += found
+            print(f"merge {out_dir}: {n_in} input samples checked against the data set", file=sys.stderr)
+            m = DatasetDir(out_dir).manifest()
+            samples = _scan_as_run(m.provenance or {}, args.inputs, args.limit).samples
+        if not problems:
+            _finish(out_dir, samples, args.token_freq_path,
+                    {"train_data_path": str(args.inputs)} if args.inputs is not None else {})
     except Rejected as exc:
         print(f"merge {out_dir}: {exc}", file=sys.stderr)
-        return 2
-    problems = list(res.problems)
-    if not (out_dir / MANIFEST_NAME).is_file():
-        for line in problems:
-            print(line)
-        return 2
-    print(f"merge {out_dir}: {len(res.parts)} part(s) joined, {res.entries} entries", file=sys.stderr)
-    n = res.entries
-    if not args.no_verify:
-        found, n = verify_dataset(out_dir, args.threads)
-        problems += found
-    if args.inputs is not None:
-        try:
-            found, n_in = check_inputs(out_dir, args.inputs, args.limit)
-        except Rejected as exc:
-            print(f"merge {out_dir}: {exc}", file=sys.stderr)
-            return 2
-        problems += found
-        print(f"merge {out_dir}: {n_in} input samples checked against the data set", file=sys.stderr)
+        return EXIT_REJECTED
+    except DatasetError as exc:
+        print(f"merge {out_dir}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"merge {out_dir}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"merge {out_dir}: interrupted (the manifest parts or the merged manifest are intact: run it again)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     for line in problems:
         print(f"{out_dir}/{line}" if not line.startswith(str(out_dir)) else line)
     print(f"merge {out_dir}: {n} entries, {len(problems)} problem(s)", file=sys.stderr)
-    return 1 if problems else 0
+    return EXIT_FAILED if problems else EXIT_OK
+
+
+def _finish(out_dir: Path, samples: list[Any] | None, token_freq_path: Path | None,
+            extra: dict[str, Any] | None) -> None:
+    """The data set's one finish path (:func:`speccompat.dataset.finish.finish_dataset`), after a merge."""
+    from .finish import finish_dataset
+
+    finish_dataset(DatasetDir(out_dir), samples=samples, token_freq_path=token_freq_path, extra=extra)
 
 
 def check_present(out_dir: Path) -> list[str]:
     """Cheap: every entry's file exists with the recorded size (no file is read)."""
-    m = Manifest(out_dir).load()
+    ddir = DatasetDir(out_dir)
+    m = ddir.manifest()
     problems = []
     for f, e in m.entries.items():
         try:
-            size = (Path(out_dir) / f).stat().st_size
+            size = os.lstat(ddir.path(f)).st_size
         except FileNotFoundError:
             problems.append(f"{f}: missing (id {e['id']!r})")
             continue
-        if size != e.get("bytes"):
-            problems.append(f"{f}: {size} bytes, the manifest says {e.get('bytes')}")
+        if size != e["bytes"]:
+            problems.append(f"{f}: {size} bytes, the manifest says {e['bytes']}")
     return problems
 
 
@@ -548,11 +468,7 @@ def finish_job(out_dir: Path, inputs: Path, *, limit: int | None = None, token_f
     """After every shard of a job succeeded: merge the parts, check that every input sample is
     present once (and every file with its size; each shard checked what it skipped and wrote the
     rest with checksums, so no file is read again: ``speccompat verify`` does that), and write the
-    layout's side files (speculators). 0 when all is well, 1 otherwise."""
-    from types import SimpleNamespace
-
-    from .inputs import scan_jsonl
-
+    layout's side files (the one finish path). 0 when all is well, 1 otherwise."""
     out_dir = Path(out_dir)
     res = merge_dataset(out_dir)
     problems = list(res.problems)
@@ -567,20 +483,9 @@ def finish_job(out_dir: Path, inputs: Path, *, limit: int | None = None, token_f
     if problems:
         logger.error("the merged data set %s has %d problem(s)%s", out_dir, len(problems),
                      " (first 50 shown)" if len(problems) > 50 else "")
-        return 1
-    m = Manifest(out_dir).load()
-    prov = m.provenance or {}
-    if m.header and m.header.get("layout") == "speculators":
-        from .speculators_format import write_side_files
-
-        on_long = _on_long(prov)
-        scan = scan_jsonl(Path(inputs), vocab_size=int(prov["model"]["vocab_size"]),
-                          max_seq_len=int(prov["max_seq_len"]), on_bad="skip",
-                          on_long="skip" if on_long == "fail" else on_long, limit=limit)
-        ds = SimpleNamespace(out_dir=out_dir, manifest=m, provenance=prov, samples=scan.samples,
-                             layer_ids=prov["hidden_states"]["layer_ids"], hidden_size=int(prov["model"]["hidden_size"]),
-                             speculators_version=None, extra=dict(extra or {}))
-        write_side_files(ds, token_freq_path)
+        return EXIT_FAILED
+    prov = DatasetDir(out_dir).manifest().provenance or {}
+    _finish(out_dir, _scan_as_run(prov, inputs, limit).samples, token_freq_path, extra)
     logger.info("data set %s complete: %d manifest part(s) merged, all %d input samples present once", out_dir,
                 len(res.parts), n)
-    return 0
+    return EXIT_OK

@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -24,70 +23,69 @@ from packaging.version import Version
 
 from .fsutil import write_atomic
 
-
-def _write_if_changed(path: Path, data: bytes) -> None:
-    try:
-        if path.read_bytes() == data:
-            return
-    except FileNotFoundError:
-        pass
-    write_atomic(path, data)
-
 __all__ = ["default_token_freq_path", "write_side_files"]
 
 
 def default_token_freq_path(out_dir: Path) -> Path:
-    out_dir = Path(out_dir)
-    return out_dir.with_name(out_dir.name + ".token_freq.pt")
+    from .directory import DatasetDir
+
+    return DatasetDir(out_dir).token_freq_path()
 
 
-def _data_config(ds: Any) -> dict[str, Any]:
+def _data_config(entries: list[dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
     from importlib.metadata import version
 
     from speculators.data_generation import config_generator as cg
 
-    prov = ds.provenance
+    prov, extra = info["provenance"], info.get("extra") or {}
     versions = prov["versions"]
+    hidden = int(prov["model"]["hidden_size"])
+    layer_ids = list(prov["hidden_states"]["layer_ids"])
     cfg = cg.DataGenerationConfig(
         version=cg.DataGenerationConfig.VERSION,
         generated_at=prov["created"],
         speculators_version=versions.get("speculators") or version("speculators"),
         reproducibility=cg.ReproducibilityInfo(
-            command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            command=extra.get("command") or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             package_versions=cg.PackageVersions(torch=versions.get("torch"), vllm=versions.get("vllm"),
                                                 transformers=versions.get("transformers"),
                                                 speculators=versions.get("speculators")),
         ),
         model=cg.ModelConfig(target_model_path=prov["model"]["path"],
                              tensor_parallel_size=prov["tensor_parallel_size"],
-                             gpu_memory_utilization=ds.extra.get("gpu_memory_utilization", 0.0),
-                             hidden_size=ds.hidden_size),
-        data=cg.DataConfig(train_data_path=str(ds.extra.get("train_data_path", "")), seq_length=prov["max_seq_len"],
-                           max_samples=ds.extra.get("max_samples"), num_samples=len(ds.manifest.entries),
-                           seed=0, chat_template_note=ds.extra.get("chat_template_note",
-                                                                   "Uses tokenizer's built-in chat template")),
-        hidden_states=cg.HiddenStatesConfig(layer_ids=list(ds.layer_ids)),
-        generation=cg.GenerationConfig(cache_dir=str(ds.extra.get("cache_dir", ""))),
-        format=cg.FormatConfig.create_default(num_layers=len(ds.layer_ids), hidden_size=ds.hidden_size),
+                             gpu_memory_utilization=extra.get("gpu_memory_utilization", 0.0),
+                             hidden_size=hidden),
+        data=cg.DataConfig(train_data_path=str(extra.get("train_data_path", "")), seq_length=prov["max_seq_len"],
+                           max_samples=extra.get("max_samples"), num_samples=len(entries),
+                           seed=0, chat_template_note=extra.get("chat_template_note",
+                                                                "Uses tokenizer's built-in chat template")),
+        hidden_states=cg.HiddenStatesConfig(layer_ids=layer_ids),
+        generation=cg.GenerationConfig(cache_dir=str(extra.get("cache_dir", ""))),
+        format=cg.FormatConfig.create_default(num_layers=len(layer_ids), hidden_size=hidden),
     )
     return cfg.to_dict()
 
 
-def write_side_files(ds: Any, token_freq_path: Path | None = None) -> None:
+def write_side_files(ddir: Any, entries: list[dict[str, Any]], *, token_freq: Any, token_freq_path: Path,
+                     info: dict[str, Any]) -> None:
+    """data_config.json, sample_lengths.json (speculators >= 0.4) and the token-frequency file, from
+    the data set's finished ``entries`` (all of them, whatever this run's input or --limit was)."""
     import torch
 
-    entries = list(ds.manifest.entries.values())
-    spec = ds.speculators_version or ds.provenance["versions"].get("speculators") or "0.4.0"
+    prov = info["provenance"]
+    spec = info.get("speculators_version") or prov["versions"].get("speculators") or "0.4.0"
     if Version(spec) >= Version("0.4.0"):
         lengths = {e["file"].removeprefix("data_").removesuffix(".pt"): e["num_tokens"] for e in entries}
         lengths = dict(sorted(lengths.items(), key=lambda kv: int(kv[0])))
-        _write_if_changed(ds.out_dir / "sample_lengths.json", json.dumps(lengths, indent=2).encode())
-    _write_if_changed(ds.out_dir / "data_config.json", json.dumps(_data_config(ds), indent=2).encode())
-    freq: Counter[int] = Counter()
-    for s in ds.samples:
-        mask = s.loss_mask if s.loss_mask is not None else None
-        freq.update(t for k, t in enumerate(s.input_ids) if mask is None or mask[k])
+        ddir.write_side_file("sample_lengths.json", json.dumps(lengths, indent=2).encode())
+    ddir.write_side_file("data_config.json", json.dumps(_data_config(entries, info), indent=2).encode())
     buf = io.BytesIO()
-    torch.save(dict(freq), buf)
-    path = Path(token_freq_path) if token_freq_path is not None else default_token_freq_path(ds.out_dir)
-    _write_if_changed(path, buf.getvalue())
+    torch.save(dict(token_freq()), buf)
+    data = buf.getvalue()
+    path = Path(token_freq_path)
+    try:
+        if path.read_bytes() == data:
+            return
+    except (FileNotFoundError, IsADirectoryError):
+        pass
+    write_atomic(path, data)

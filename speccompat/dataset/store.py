@@ -3,55 +3,33 @@
 :func:`open_dataset` does everything that must happen before an engine starts and returns an
 :class:`OpenDataset` whose ``todo`` are the samples still to extract; :meth:`OpenDataset.writer`
 gives the background writer for them and :meth:`OpenDataset.finish` writes a layout's side files.
+The directory itself (names, locks, manifests, the file check, the resume plan) is
+:class:`~speccompat.dataset.directory.DatasetDir`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import provenance as prov_mod
 from .checksum import default_algorithm, digest_fn
+from .directory import HEADER_NAME, DatasetDir, plan_resume
 from .errors import Rejected
 from .formats import DTYPES, SPECULATORS, Layout, layout_named
-from .fsutil import LOCK_NAME, TMP_SUFFIX, check_output_dir, free_bytes, human, lock_output_dir
+from .fsutil import human
 from .inputs import Sample
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .writer import DatasetWriter, WriteJob
 
-__all__ = ["OpenDataset", "check_file", "open_dataset"]
+__all__ = ["OpenDataset", "open_dataset"]
 
 logger = logging.getLogger("speccompat.dataset")
-
-
-def check_file(path: Path, entry: dict[str, Any], layout: Layout, digest: Any) -> str | None:
-    """None when ``path`` holds exactly what ``entry`` recorded (sizes, dtypes, shapes, checksums)."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return "missing"
-    if size != entry.get("bytes"):
-        return f"{size} bytes, the manifest says {entry.get('bytes')}"
-    try:
-        _meta, tensors, _keep = layout.read(path)
-    except (OSError, ValueError) as exc:
-        return f"unreadable: {exc}"
-    want = entry.get("tensors") or {}
-    if set(tensors) != set(want):
-        return f"tensors {sorted(tensors)}, the manifest says {sorted(want)}"
-    for name, (dtype, shape, buf) in tensors.items():
-        w = want[name]
-        if dtype != w["dtype"] or shape != w["shape"]:
-            return f"{name}: {dtype} {shape}, the manifest says {w['dtype']} {w['shape']}"
-        if digest(buf) != w["checksum"]:
-            return f"{name}: checksum differs from the manifest (the file changed after it was written)"
-    return None
 
 
 @dataclass
@@ -67,13 +45,29 @@ class OpenDataset:
     layer_ids: list[int]
     dtype: str
     hidden_size: int
-    lock: Any = None
+    lock: Any = None  # a DirLock (a whole run) or (directory lock, part lock) (a shard)
     speculators_version: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def dir(self) -> DatasetDir:
+        return DatasetDir(self.out_dir)
+
+    @property
     def checksum(self) -> str:
         return self.manifest.header["checksum"]
+
+    def close(self) -> None:
+        """Release the directory's lock(s)."""
+        for lock in self.lock if isinstance(self.lock, tuple) else (self.lock,):
+            if lock is not None:
+                lock.close()
+
+    def __enter__(self) -> OpenDataset:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def job(self, sample: Sample, hidden_states: list[Any]) -> WriteJob:
         entry: dict[str, Any] = {"id": sample.id, "line": sample.line, "num_tokens": sample.num_tokens,
@@ -95,170 +89,146 @@ class OpenDataset:
                              max_in_flight_bytes=max_in_flight_bytes, **kw)
 
     def finish(self, token_freq_path: Path | None = None) -> None:
-        """The layout's side files, from the manifest (speculators: data_config.json,
-        sample_lengths.json for 0.4+, the token-frequency file)."""
-        if self.layout.name == SPECULATORS:
-            from .speculators_format import write_side_files
+        """The layout's side files (speculators: data_config.json, sample_lengths.json for 0.4+, the
+        token-frequency file), from every finished entry of the data set (not only this run's)."""
+        from .finish import finish_dataset
 
-            write_side_files(self, token_freq_path)
-
-
-def _expected_bytes(sample: Sample, n_layers: int, hidden: int, per: int) -> int:
-    return n_layers * sample.num_tokens * hidden * per + 16 * sample.num_tokens + 4096
+        finish_dataset(self.dir, self.manifest, samples=self.samples, token_freq_path=token_freq_path,
+                       extra=self.extra, speculators_version=self.speculators_version, changed=bool(self.todo))
 
 
-def _resume(out_dir: Path, manifest: Manifest, samples: list[Sample], candidates: list[Sample],
-            files: dict[str, str], check: Callable[[Sample], str | None], *, checked: str, check_threads: int,
-            layer_ids: list[int], hidden: int, dtype: str, keep_ids: frozenset[str] | set[str] = frozenset()
-            ) -> tuple[set[str], list[Sample], int, int]:
-    """The resume plan, once the run knows which stored entries are its own.
-
-    ``check`` (None: intact, else why not) runs on every sample of ``candidates`` (those with a stored
-    entry, whose file is ``files[id]``); a failed one's entry is dropped from ``manifest`` and its file
-    removed (unless it is missing), so the sample is redone. Entries whose file is gone are dropped
-    too, except those of the ids done and of ``keep_ids``; then ``manifest`` is rewritten
-    (:class:`Rejected` when it cannot be). ``checked`` says in the log what the files were checked against.
-
-    Returns (ids done, the samples of ``samples`` still to extract, their expected bytes, free bytes
-    in ``out_dir``).
-    """
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(max(1, check_threads)) as pool:
-        results = list(pool.map(check, candidates))
-    done_ids: set[str] = set()
-    for s, why in zip(candidates, results, strict=True):
-        if why is None:
-            done_ids.add(s.id)
-            continue
-        manifest.entries.pop(files[s.id], None)
-        if why != "missing":
-            logger.warning("%s (id %r, line %d): %s; it will be redone", files[s.id], s.id, s.line, why)
-            (out_dir / files[s.id]).unlink(missing_ok=True)
-    if candidates:
-        logger.info("checked %d finished file(s) %s in %.1f s: %d intact, %d to redo", len(candidates), checked,
-                    time.monotonic() - t0, len(done_ids), len(candidates) - len(done_ids))
-    for f, e in list(manifest.entries.items()):
-        if e["id"] not in done_ids and e["id"] not in keep_ids and not (out_dir / f).exists():
-            del manifest.entries[f]
-    try:
-        manifest.rewrite()
-    except OSError as exc:
-        raise Rejected(f"cannot write {manifest.path}: {exc.strerror}") from None
-
-    todo = [s for s in samples if s.id not in done_ids]
+def expected_bytes(samples: list[Sample], n_layers: int, hidden: int, dtype: str) -> int:
     per = DTYPES[dtype][0]
-    need = sum(_expected_bytes(s, len(layer_ids), hidden, per) for s in todo)
-    return done_ids, todo, need, free_bytes(out_dir)
+    return sum(n_layers * s.num_tokens * hidden * per + 16 * s.num_tokens + 4096 for s in samples)
 
 
-def _run_facts(out_dir: Path, provenance: dict[str, Any]) -> tuple[list[int], str, int, Any]:
-    """``(layer ids, dtype, hidden size, layout)`` of a run from its provenance, once ``out_dir``
-    is known to be usable (:func:`check_output_dir`)."""
+def run_facts(ddir: DatasetDir, provenance: dict[str, Any]) -> tuple[list[int], str, int, Layout]:
+    """``(layer ids, dtype, hidden size, layout)`` of a run from its provenance, once the directory
+    is known to be usable."""
     hs = provenance["hidden_states"]
     layer_ids, dtype = list(hs["layer_ids"]), hs["dtype"]
     layout = layout_named(provenance["layout"], layer_ids)
-    check_output_dir(out_dir)
+    ddir.ensure()
     return layer_ids, dtype, int(provenance["model"]["hidden_size"]), layout
 
 
-def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], *, overwrite: bool = False,
-                 check_threads: int = 4, speculators_version: str | None = None) -> OpenDataset:
-    """Everything before the engine: raises :class:`Rejected` for any reason not to start."""
-    out_dir = Path(out_dir)
-    layer_ids, dtype, hidden, layout = _run_facts(out_dir, provenance)
-    lock = lock_output_dir(out_dir)
-    from .shards import find_parts
-
-    if parts := find_parts(out_dir):
-        raise Rejected(f"{out_dir} holds {len(parts)} manifest part(s) of a sharded extraction ({parts[0].name} ...): "
-                       "run `speccompat merge DIR` first, or keep running it with --num-shards")
-    leftovers = sorted(p for p in out_dir.iterdir() if p.name.endswith(TMP_SUFFIX))
-    for p in leftovers:
-        p.unlink()
-    if leftovers:
-        logger.info("removed %d temporary file(s) left by an interrupted run: %s", len(leftovers),
-                    ", ".join(p.name for p in leftovers[:5]) + (" ..." if len(leftovers) > 5 else ""))
-
-    manifest = Manifest(out_dir).load()
-    for problem in manifest.problems:
-        logger.warning("%s: dropped", problem)
-    ids = {s.id for s in samples}
-    by_id = manifest.by_id()
+def differences(stored_header: dict[str, Any] | None, provenance: dict[str, Any], samples: list[Sample],
+                stored: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """How this run differs from what the directory holds (provenance, each sample's input)."""
     diffs: list[str] = []
-    if manifest.header is None:
-        strays = sorted(p.name for p in out_dir.iterdir() if layout.is_sample_file(p.name)
-                        or p.name in ("index.jsonl", *layout.side_files))
+    if stored_header is not None:
+        diffs += prov_mod.differences(stored_header.get("provenance") or {}, provenance)
+    for s in samples:
+        for e in stored.get(s.id, ()):
+            if e.get("input_sha256") != s.digest:
+                diffs.append(f"id {s.id!r} (line {s.line}): input_ids/loss_mask differ from the ones its file "
+                             f"{e['file']} was made from")
+                break
+    return diffs
+
+
+def refuse_differences(out_dir: Path, diffs: list[str], hint: str) -> None:
+    if diffs:
+        shown = diffs[:20] + ([f"... and {len(diffs) - 20} more"] if len(diffs) > 20 else [])
+        raise Rejected(f"{out_dir} holds a data set made differently; nothing was started or written. "
+                       "Differences (stored -> this run):\n  " + "\n  ".join(shown) + f"\n{hint}")
+
+
+def run_info(extra: dict[str, Any] | None) -> dict[str, Any]:
+    """What a header records about the command (data_config.json is made from it after a merge)."""
+    return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), **(extra or {})}
+
+
+def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], *, overwrite: bool = False,
+                 check_threads: int = 4, speculators_version: str | None = None,
+                 extra: dict[str, Any] | None = None) -> OpenDataset:
+    """Everything before the engine: raises :class:`Rejected` for any reason not to start (the
+    directory's lock is released then). ``extra``: run facts kept in the header (data_config.json)."""
+    ddir = DatasetDir(out_dir)
+    out_dir = ddir.root
+    layer_ids, dtype, hidden, layout = run_facts(ddir, provenance)
+    with contextlib.ExitStack() as stack:
+        lock = stack.enter_context(ddir.lock())
+        ds = _open_locked(ddir, layout, samples, provenance, layer_ids, dtype, hidden, overwrite=overwrite,
+                          check_threads=check_threads, extra=extra)
+        ds.lock, ds.speculators_version = lock, speculators_version
+        ds.extra.update(extra or {})
+        stack.pop_all()
+    return ds
+
+
+def _open_locked(ddir: DatasetDir, layout: Layout, samples: list[Sample], provenance: dict[str, Any],
+                 layer_ids: list[int], dtype: str, hidden: int, *, overwrite: bool, check_threads: int,
+                 extra: dict[str, Any] | None) -> OpenDataset:
+    out_dir = ddir.root
+    if parts := ddir.parts():
+        raise Rejected(f"{out_dir} holds {len(parts)} manifest part(s) of a sharded extraction ({parts[0]} ...): "
+                       "run `speccompat merge DIR` first, or keep running it with --num-shards")
+    if ddir.interrupted_overwrite() and not overwrite:
+        raise Rejected(f"{out_dir} holds an --overwrite that was interrupted while it moved the old data set aside: "
+                       "run the same command with --overwrite again to finish it, or use another --output-dir")
+    ddir.remove_leftovers()
+    manifest = ddir.manifest()
+    if manifest.header_problem and not overwrite:
+        raise Rejected(f"{out_dir}/{manifest.header_problem}: the data set cannot be resumed; use another "
+                       "--output-dir, or --overwrite to start it anew")
+    for problem in manifest.problems:
+        if problem != manifest.header_problem:
+            logger.warning("%s: dropped (its sample is redone)", problem)
+    ids = {s.id for s in samples}
+    stored = {e["id"]: [e] for e in manifest.entries.values()}
+    sample_names = [n for n in ddir.names() if layout.is_sample_file(n) or n in ("index.jsonl", *layout.side_files)
+                    or n == MANIFEST_NAME]
+    if manifest.header is None and not manifest.header_problem:
+        strays = [n for n in sample_names if n != MANIFEST_NAME]
         if strays and not overwrite:
             raise Rejected(f"{out_dir} holds {len(strays)} file(s) ({', '.join(strays[:3])}"
                            f"{' ...' if len(strays) > 3 else ''}) but no {MANIFEST_NAME}: nothing says what "
                            "produced them. Use another --output-dir, or --overwrite to replace them")
-    else:
-        if manifest.header.get("speccompat_dataset") != SCHEMA_VERSION:
-            diffs.append(f"manifest schema {manifest.header.get('speccompat_dataset')} -> {SCHEMA_VERSION}")
-        diffs += prov_mod.differences(manifest.provenance or {}, provenance)
-        for s in samples:
-            e = by_id.get(s.id)
-            if e is not None and e.get("input_sha256") != s.digest:
-                diffs.append(f"id {s.id!r} (line {s.line}): input_ids/loss_mask differ from the ones its file "
-                             f"{e['file']} was made from")
-    if diffs and not overwrite:
-        shown = diffs[:20] + ([f"... and {len(diffs) - 20} more"] if len(diffs) > 20 else [])
-        raise Rejected(f"{out_dir} holds a data set made differently; nothing was started or written. "
-                       "Differences (stored -> this run):\n  " + "\n  ".join(shown) +
-                       "\nUse another --output-dir, or --overwrite to redo every sample of this input")
+    diffs = differences(manifest.header, provenance, samples, stored)
+    if not overwrite:
+        refuse_differences(out_dir, diffs, "Use another --output-dir, or --overwrite to redo every sample of this "
+                                           "input")
+    total = expected_bytes(samples, len(layer_ids), hidden, dtype)
 
-    if overwrite and (manifest.header is not None or diffs):
-        keep_created = None
-    else:
-        keep_created = (manifest.provenance or {}).get("created")
+    keep_created = None if overwrite else (manifest.provenance or {}).get("created")
     if keep_created:
         provenance = {**provenance, "created": keep_created}  # the data set's first run
     checksum = (manifest.header or {}).get("checksum") if not overwrite else None
     checksum = checksum or default_algorithm()
-    digest = digest_fn(checksum)
+    try:
+        digest = digest_fn(checksum)
+    except ValueError as exc:
+        raise Rejected(str(exc)) from None
 
     if overwrite:
-        old = manifest.entries
-        manifest.entries = {}
-        if old:
-            logger.info("--overwrite: starting the data set anew (%d entries of the old manifest dropped)", len(old))
-        gone = [f for f, e in old.items() if e["id"] not in ids]
-        for f in gone:
-            (out_dir / f).unlink(missing_ok=True)
-        if gone:
-            logger.info("--overwrite: removed %d file(s) of samples not in this input", len(gone))
+        outside = sorted({e["id"] for e in manifest.entries.values()} - ids)
+        if outside:
+            raise Rejected(f"--overwrite would delete {len(outside)} finished sample(s) that this run does not redo "
+                           f"(ids {', '.join(repr(i) for i in outside[:3])}{' ...' if len(outside) > 3 else ''}: not "
+                           "in this run's input, e.g. outside --limit). Run --overwrite on the whole input, or "
+                           "delete the data set, or use another --output-dir")
+        old_bytes = sum(e["bytes"] for e in manifest.entries.values())
+        if total > ddir.free() + old_bytes:
+            raise Rejected(f"not enough disk space in {out_dir}: {human(total)} needed, "
+                           f"{human(ddir.free() + old_bytes)} free once the old data set is gone")
+        old = [MANIFEST_NAME, *manifest.entries, *(n for n in sample_names if n != MANIFEST_NAME),
+               *(n for n in (HEADER_NAME,) if n in ddir.names())]
+        old = list(dict.fromkeys(old))
+        if len(old) > 1 or ddir.interrupted_overwrite():
+            logger.info("--overwrite: moving the old data set (%d file(s)) aside and deleting it", len(old))
+        ddir.move_aside(old)
+        manifest = Manifest(out_dir)
+        stored = {}
     manifest.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": checksum,
-                       "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance)}
-
-    # file names: by id (safetensors), or the next free data_<i>.pt (speculators; stable on resume)
-    files: dict[str, str] = {}
-    by_id = manifest.by_id()
-    taken = set(manifest.entries)
-    for s in samples:
-        if s.id in by_id:
-            files[s.id] = by_id[s.id]["file"]
-    nxt = 0
-    for k, s in enumerate(samples):
-        if s.id in files:
-            continue
-        name = layout.file_name(s.id, k)
-        if name in taken:
-            while (name := layout.file_name(s.id, len(samples) + nxt)) in taken:
-                nxt += 1
-        files[s.id] = name
-        taken.add(name)
-
-    # resume: every file the run would skip is checked against its entry (sizes, shapes, checksums)
-    # (entries of samples not in this input, e.g. an earlier --limit, stay while their file does)
-    candidates = [s for s in samples if s.id in by_id and not overwrite]
-    done_ids, todo, need, free = _resume(
-        out_dir, manifest, samples, candidates, files,
-        lambda s: check_file(out_dir / files[s.id], by_id[s.id], layout, digest),
-        checked="against the manifest", check_threads=check_threads, layer_ids=layer_ids, hidden=hidden,
-        dtype=dtype, keep_ids=ids)
-    total = sum(_expected_bytes(s, len(layer_ids), hidden, DTYPES[dtype][0]) for s in samples)
+                       "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance),
+                       "run": run_info(extra)}
+    plan = plan_resume(ddir, manifest, samples, samples, stored, layout, digest, check_threads=check_threads,
+                       fresh=overwrite)
+    need = expected_bytes(plan.todo, len(layer_ids), hidden, dtype)
+    free = ddir.free()
     logger.info("%d of %d samples already done; %d to extract (layers %s, hidden %d, %s, %s layout)",
-                len(done_ids), len(samples), len(todo), layer_ids, hidden, dtype, layout.name)
+                len(plan.done_ids), len(samples), len(plan.todo), layer_ids, hidden, dtype, layout.name)
     logger.info("expected size: %s for all %d samples, %s still to write; free in %s: %s", human(total),
                 len(samples), human(need), out_dir, human(free))
     if need > free:
@@ -266,9 +236,5 @@ def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any
                        "(free some space, or use --limit for a part of the input)")
     if need > 0.9 * free:
         logger.warning("the output will leave less than 10%% of %s free", out_dir)
-    return OpenDataset(out_dir, layout, manifest, provenance, samples, todo, files, len(done_ids), layer_ids,
-                       dtype, hidden, lock, speculators_version)
-
-
-RESERVED = (MANIFEST_NAME, LOCK_NAME)
-
+    return OpenDataset(out_dir, layout, manifest, provenance, samples, plan.todo, plan.files, len(plan.done_ids),
+                       layer_ids, dtype, hidden)

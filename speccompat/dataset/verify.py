@@ -1,17 +1,18 @@
 """``speccompat verify DIR``: check a finished data set offline, one line per problem.
 
-Checks: the manifest's header and lines; every entry's file is there, with the recorded size,
-tensor names, dtypes, shapes and checksums; shapes agree with the provenance (layer ids, hidden
-size, the entry's token count); the input ids and loss mask hash to the entry's ``input_sha256``;
-hidden states are finite; every file's provenance (safetensors metadata) equals the manifest's;
-ids are unique; no file is in the directory that the manifest does not list (temporary files
-included). Exit status 0 when nothing is wrong, 1 otherwise, 2 when DIR is not a data set.
+Checks: the manifest's header and lines (each malformed field named with its line); every
+entry's file is there, with the recorded size, tensor names, dtypes, shapes and checksums; shapes
+agree with the provenance (layer ids, hidden size, the entry's token count); the input ids and
+loss mask hash to the entry's ``input_sha256``; hidden states are finite; every file's provenance
+(safetensors metadata) equals the manifest's; ids are unique; no file is in the directory that
+the manifest does not list (temporary files included). All of it is
+:meth:`~speccompat.dataset.directory.DatasetDir.check_file` at level ``verify``. Exit status 0 when
+nothing is wrong, 1 when a problem is found, 2 when DIR is not a data set, 130 when interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -20,131 +21,55 @@ from typing import Any
 
 from . import provenance as prov_mod
 from .checksum import digest_fn
-from .formats import DTYPES, layout_named
-from .fsutil import LOCK_NAME
-from .inputs import input_digest
-from .manifest import MANIFEST_NAME, Manifest
+from .directory import TRASH_NAME, DatasetDir
+from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, DatasetError
+from .formats import layout_named
+from .fsutil import LOCK_NAME, TMP_SUFFIX
+from .manifest import MANIFEST_NAME
 
 __all__ = ["add_parser", "main", "verify_dataset"]
 
 
-def _frombuffer(buf: memoryview, dtype: Any) -> Any:
-    import warnings
-
-    import torch
-
-    with warnings.catch_warnings():  # read-only mmap: the tensor is only read
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype)
-
-
-def _check_entry(out_dir: Path, entry: dict[str, Any], layout: Any, digest: Any, prov: dict[str, Any],
-                 prov_sha: str) -> list[str]:
-    import torch
-
-    name = entry["file"]
-    path = out_dir / name
-    p: list[str] = []
-    if not path.is_file():
-        return [f"{name}: missing (id {entry['id']!r})"]
-    size = path.stat().st_size
-    if size != entry.get("bytes"):
-        p.append(f"{name}: {size} bytes, the manifest says {entry.get('bytes')}")
-    try:
-        meta, tensors, _keep = layout.read(path)
-    except (OSError, ValueError) as exc:
-        return [*p, f"{name}: unreadable: {exc}"]
-    want = entry.get("tensors") or {}
-    layer_ids = prov["hidden_states"]["layer_ids"]
-    hidden = prov["model"]["hidden_size"]
-    n = entry.get("num_tokens")
-    st_dtype = DTYPES[prov["hidden_states"]["dtype"]][1]
-    expected = {"input_ids": [n], **{f"hidden_states_{i}": [n, hidden] for i in layer_ids}}
-    if "loss_mask" in want or "loss_mask" in tensors:
-        expected["loss_mask"] = [n]
-    if set(tensors) != set(expected):
-        p.append(f"{name}: tensors {sorted(tensors)}, expected {sorted(expected)}")
-    for t, (dtype, shape, buf) in sorted(tensors.items()):
-        if t in expected and shape != expected[t]:
-            p.append(f"{name}: {t} has shape {shape}, expected {expected[t]}")
-        if t.startswith("hidden_states_") and dtype != st_dtype:
-            p.append(f"{name}: {t} is {dtype}, the data set stores {st_dtype}")
-        w = want.get(t)
-        if w is None:
-            p.append(f"{name}: tensor {t} is not in the manifest")
-            continue
-        if [dtype, shape] != [w["dtype"], w["shape"]]:
-            p.append(f"{name}: {t} is {dtype} {shape}, the manifest says {w['dtype']} {w['shape']}")
-        elif digest(buf) != w["checksum"]:
-            p.append(f"{name}: {t} checksum differs from the manifest")
-        if t.startswith("hidden_states_") and dtype in ("BF16", "F16", "F32") and len(buf):
-            x = _frombuffer(buf, {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype])
-            if not bool(torch.isfinite(x).all()):
-                p.append(f"{name}: {t} has {int((~torch.isfinite(x)).sum())} non-finite values")
-    for t in set(want) - set(tensors):
-        p.append(f"{name}: tensor {t} of the manifest is missing from the file")
-    if "input_ids" in tensors and entry.get("input_sha256"):
-        ids = _frombuffer(tensors["input_ids"][2], torch.int64).tolist() if len(tensors["input_ids"][2]) else []
-        mask = None
-        if "loss_mask" in tensors and layout.name == "safetensors":
-            mask = _frombuffer(tensors["loss_mask"][2], torch.int64).tolist()
-        elif layout.name == "speculators":
-            mask = _frombuffer(tensors["loss_mask"][2], torch.int64).tolist()
-        if input_digest(ids, mask) != entry["input_sha256"] and not (
-                layout.name == "speculators" and input_digest(ids, None) == entry["input_sha256"]
-                and set(mask or []) <= {1}):
-            p.append(f"{name}: input_ids/loss_mask do not hash to the manifest's input_sha256")
-    if layout.name == "safetensors":
-        raw = meta.get("speccompat_provenance")
-        if raw is None:
-            p.append(f"{name}: no provenance in its metadata")
-        else:
-            try:
-                fprov = json.loads(raw)
-            except ValueError:
-                p.append(f"{name}: provenance metadata is not JSON")
-            else:
-                if prov_mod.digest(fprov) != prov_sha:
-                    diffs = prov_mod.differences(prov, fprov)
-                    p.append(f"{name}: provenance differs from the manifest's: " + "; ".join(diffs[:3]))
-        sample = json.loads(meta.get("speccompat_sample", "{}") or "{}")
-        if sample.get("id") != entry["id"]:
-            p.append(f"{name}: its metadata names id {sample.get('id')!r}, the manifest {entry['id']!r}")
-    return p
-
-
 def verify_dataset(out_dir: Path, threads: int = 4) -> tuple[list[str], int]:
     """(problems, number of entries checked)."""
-    out_dir = Path(out_dir)
-    m = Manifest(out_dir).load()
+    ddir = DatasetDir(out_dir)
+    m = ddir.manifest()
     problems = list(m.problems)
     if m.header is None:
+        if m.header_problem:
+            return problems, 0
         return [*problems, f"{m.path}: no manifest header: not a speccompat data set"], 0
-    prov = m.provenance or {}
-    layout = layout_named(m.header.get("layout", "safetensors"), prov.get("hidden_states", {}).get("layer_ids"))
-    digest = digest_fn(m.header.get("checksum", "crc32"))
-    prov_sha = m.header.get("provenance_sha256") or prov_mod.digest(prov)
+    prov = m.provenance
+    layout = layout_named(m.header["layout"], prov["hidden_states"]["layer_ids"])
+    digest = digest_fn(m.header["checksum"])
+    prov_sha = m.header["provenance_sha256"]
     if prov_mod.digest(prov) != prov_sha:
         problems.append(f"{MANIFEST_NAME}: provenance_sha256 does not match its provenance")
     ids = Counter(e["id"] for e in m.entries.values())
     problems += [f"{MANIFEST_NAME}: id {i!r} has {c} entries" for i, c in ids.items() if c > 1]
     entries = list(m.entries.values())
+
+    def check(e: dict[str, Any]) -> list[str]:
+        return ddir.check_file(e, layout, digest, level="verify", provenance=prov, provenance_sha256=prov_sha)
+
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        for res in pool.map(lambda e: _check_entry(out_dir, e, layout, digest, prov, prov_sha), entries):
+        for res in pool.map(check, entries):
             problems += res
     known = {MANIFEST_NAME, LOCK_NAME, *m.entries, *layout.side_files}
-    for p in sorted(out_dir.iterdir()):
-        if p.name not in known:
-            kind = "temporary file of an interrupted run" if p.name.endswith(".partial") else "not in the manifest"
-            if p.name.startswith("manifest.shard-"):
+    for name in ddir.names():
+        if name not in known:
+            kind = "temporary file of an interrupted run" if name.endswith(TMP_SUFFIX) else "not in the manifest"
+            if name.startswith("manifest.shard-"):
                 kind = f"a manifest part not merged: run `speccompat merge {out_dir}`"
-            problems.append(f"{p.name}: extra file ({kind})")
+            if name == TRASH_NAME:
+                kind = "an interrupted --overwrite: re-run it"
+            problems.append(f"{name}: extra file ({kind})")
     return problems, len(entries)
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check a data set written by speccompat.dataset offline "
-                       "(exit 0 intact, 1 problems found, 2 not a data set)")
+                       "(exit 0 intact, 1 problems found, 2 not a data set, 130 interrupted)")
     v.add_argument("dir", type=Path, help="the data set's directory (holds manifest.jsonl)")
     v.add_argument("--threads", type=int, default=4, help="files checked in parallel")
     return v
@@ -152,15 +77,26 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> int:
     out_dir: Path = args.dir
+    ddir = DatasetDir(out_dir)
     if not out_dir.is_dir() or not (out_dir / MANIFEST_NAME).is_file():
-        from .shards import find_parts
-
-        parts = find_parts(out_dir) if out_dir.is_dir() else []
+        parts = ddir.parts() if out_dir.is_dir() else []
         hint = f"; it holds {len(parts)} manifest part(s): run `speccompat merge {out_dir}`" if parts else ""
         print(f"{out_dir}: not a data set directory (no {MANIFEST_NAME}){hint}", file=sys.stderr)
-        return 2
-    problems, n = verify_dataset(out_dir, args.threads)
+        return EXIT_REJECTED
+    try:
+        problems, n = verify_dataset(out_dir, args.threads)
+    except DatasetError as exc:  # e.g. a manifest that is a symbolic link
+        print(f"verify {out_dir}: {exc}", file=sys.stderr)
+        return exc.exit_status
+    except OSError as exc:
+        print(f"verify {out_dir}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"verify {out_dir}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     for line in problems:
         print(f"{out_dir}/{line}" if not line.startswith(str(out_dir)) else line)
     print(f"verify {out_dir}: {n} entries, {len(problems)} problem(s)", file=sys.stderr)
-    return 1 if problems else 0
+    if problems and any(p.startswith(f"{MANIFEST_NAME} line 1 (the header)") for p in problems) and n == 0:
+        return EXIT_REJECTED
+    return EXIT_FAILED if problems else EXIT_OK

@@ -11,7 +11,13 @@ leaves entries without files, which a resume redoes.
 
 A full disk (ENOSPC, EDQUOT) or another I/O error stops the writer: the failing file's temporary
 file is removed, files already written are still committed with their entries, and the next
-``submit`` (or ``close``) raises :class:`NoSpace` / :class:`WriterFailed`.
+``submit`` (or ``close``) raises :class:`NoSpace` / :class:`WriterFailed`. An error of the commit
+itself (the manifest append, a rename, the directory fsync, ``on_commit``) is recorded the same
+way, and no later batch commits: the failed batch's files that were not renamed are removed and
+their entries taken out of the manifest again (rewritten atomically), so the manifest lists no
+file that is not in place unless the process dies between the append and the renames (a resume
+drops such entries). Every system call, the manifest append included, goes through
+:class:`FileOps`, so tests inject faults into each.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from typing import Any
 from .checksum import digest_fn
 from .errors import NoSpace, WriterFailed
 from .formats import Layout
-from .fsutil import TMP_SUFFIX, FileOps, fsync_dir, is_no_space, write_all
+from .fsutil import TMP_SUFFIX, FileOps, is_no_space, write_all
 from .manifest import Manifest
 
 __all__ = ["DatasetWriter", "WriteJob", "WriterStats"]
@@ -80,6 +86,8 @@ class DatasetWriter:
         self.layer_ids, self.dtype, self.check_cast = list(layer_ids), dtype, check_cast
         self.checksum_name, self.digest = checksum, digest_fn(checksum)
         self.ops = ops or FileOps()
+        self.manifest.ops = self.ops  # the manifest append is one of the writer's file operations
+        self.commit_failed = False  # once a commit failed, no later batch commits
         self.budget = max(1, int(max_in_flight_bytes))
         self.on_commit = on_commit
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="speccompat-writer")
@@ -184,7 +192,7 @@ class DatasetWriter:
         enc = self.layout.encode(named, job.metadata)
         tmp = str(self.out_dir / f"{job.file}.{os.getpid()}{TMP_SUFFIX}")
         ops = self.ops
-        fd = ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         tensors: dict[str, Any] = {}
         try:
             try:
@@ -214,12 +222,28 @@ class DatasetWriter:
         return tmp, entry
 
     def _commit_ready(self) -> None:
-        """Commit finished batches at the head of the queue, in submission order."""
+        """Commit finished batches at the head of the queue, in submission order. Never raises:
+        an error is recorded for :meth:`raise_if_failed` (and ``close``)."""
         with self.commit_lock:
             while self.batches and self.batches[0].left == 0:
                 batch = self.batches.popleft()
-                if batch.done:
+                if not batch.done:
+                    continue
+                if self.commit_failed:
+                    self._discard([tmp for _, tmp, _ in batch.done])
+                    continue
+                try:
                     self._commit(batch)
+                except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                    self.commit_failed = True
+                    self._fail(exc)
+
+    def _discard(self, tmps: list[str]) -> None:
+        for tmp in tmps:
+            try:
+                self.ops.unlink(tmp)
+            except OSError:
+                pass
 
     def _commit(self, batch: _Batch) -> None:
         t0 = time.perf_counter()
@@ -228,22 +252,35 @@ class DatasetWriter:
         entries = [entry for _, _, entry in done]
         try:
             self.manifest.append(entries)
-        except BaseException as exc:  # noqa: BLE001 - the batch is dropped, nothing visible
-            for _, tmp, _ in done:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-            self._fail(exc)
-            return
-        for (job, tmp, _entry) in done:
-            self.ops.replace(tmp, str(self.out_dir / job.file))
-        fsync_dir(self.out_dir)
+        except BaseException:
+            self._discard([tmp for _, tmp, _ in done])
+            self._unlist([])  # a torn or unsynced append: the manifest again lists only what is in place
+            raise
+        renamed = 0
+        try:
+            for (job, tmp, _entry) in done:
+                self.ops.replace(tmp, str(self.out_dir / job.file))
+                renamed += 1
+            self.ops.fsync_dir(str(self.out_dir))
+        except BaseException:
+            self._discard([tmp for _, tmp, _ in done[renamed:]])
+            self._unlist([e["file"] for e in entries[renamed:]])
+            raise
         self.stats.files += len(done)
         self.stats.bytes += sum(e["bytes"] for e in entries)
         self.stats.commit_s += time.perf_counter() - t0
         if self.on_commit is not None:
             self.on_commit(entries)
+
+    def _unlist(self, files: list[str]) -> None:
+        """Take ``files`` out of the manifest (best effort: a resume drops entries without a file)."""
+        for f in files:
+            self.manifest.entries.pop(f, None)
+        try:
+            self.manifest.rewrite()
+        except OSError as exc:
+            logger.warning("cannot rewrite %s after a failed commit (%s); a resume drops its entries of missing "
+                           "files", self.manifest.path, exc)
 
 
 class _FdWriter:
