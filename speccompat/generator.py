@@ -32,8 +32,8 @@ from .adapter import Done
 from .errors import HiddenStatesError
 
 __all__ = [
-    "StepLoop", "compat_del", "compat_generate", "normalize_sequence", "generate_mode", "normalize_token_ids", "run_steps", "stream",
-    "validate_results", "wrap_init",
+    "StepLoop", "compat_del", "compat_generate", "generate_mode", "normalize_sequence", "normalize_token_ids",
+    "run_steps", "stream", "validate_results", "wrap_init",
 ]
 
 logger = logging.getLogger("speccompat.generator")
@@ -377,8 +377,9 @@ def _stream(gen: Any, token_ids: Iterable[Any], max_seqs: int | None, max_tokens
         validate_results([{"input_ids": torch.tensor(seq, dtype=torch.long), "hidden_states": h}
                           for seq, h in zip(seqs, out, strict=True)], seqs, layer_ids, hidden,
                          check_finite=False, indices=indices)
-        stats = dict(reply.get("stats", {}), driver_steps=loop.steps, in_flight=len(in_flight),
-                     take_sequences=len(req_ids), unpack_s=round(time.perf_counter() - t0, 4))
+        stats = dict(reply.get("stats", {}), driver_steps=loop.steps, in_flight=loop.depth,
+                     sequences_in_flight=len(in_flight), take_sequences=len(req_ids),
+                     unpack_s=round(time.perf_counter() - t0, 4))
         return [(i, h, stats) for i, h in zip(indices, out, strict=True)]
 
     executor.collective_rpc(streaming.begin)

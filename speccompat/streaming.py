@@ -29,7 +29,7 @@ class _Stream:
     def __init__(self) -> None:
         self.chunks: dict[str, list[tuple[Any, int, int]]] = {}
         self.done: dict[str, int] = {}  # prompt tokens seen per request
-        self.steps = self.restarts = self.unverified = 0
+        self.steps = self.restarts = self.unverified = self.chunked = 0
 
 
 def _capture(worker: Any) -> Any:
@@ -112,8 +112,10 @@ def take(worker: Any, req_ids: list[str], busy: list[str]) -> dict[str, Any] | N
     st = getattr(cap, "stream", None)
     if st is None:
         raise HiddenStatesError("no stream is open on this worker")
-    if not cap.keep:
+    if not cap.keep:  # only rank 0 keeps states; the others forget the requests' prompts
         cap.steps = []
+        for rid in req_ids:
+            cap.prompts.pop(rid, None)
         return None
     t0 = time.perf_counter()
     _ingest(cap, st)
@@ -130,6 +132,7 @@ def take(worker: Any, req_ids: list[str], busy: list[str]) -> dict[str, Any] | N
     import torch
 
     parts = [(rid, st.chunks.pop(rid)) for rid in req_ids]
+    st.chunked += sum(len(chunks) > 1 for _, chunks in parts)
     flags = [any_nonfinite(step.layers[layer_id][off : off + n])
              for _, chunks in parts for step, off, n in chunks for layer_id in cap.layer_ids]
     nonfinite: dict[int, tuple[int, int]] = {}
@@ -147,7 +150,7 @@ def take(worker: Any, req_ids: list[str], busy: list[str]) -> dict[str, Any] | N
         del st.done[rid], cap.prompts[rid]
     cap.staging.ready()
     made, made_s = cap.staging.take_made()
-    stats = {"steps": st.steps, "restarted": st.restarts, "unverified_steps": st.unverified,
+    stats = {"steps": st.steps, "chunked": st.chunked, "restarted": st.restarts, "unverified_steps": st.unverified,
              "worker_take_s": round(time.perf_counter() - t0, 4), "staging_made": made,
              "staging_made_s": round(made_s, 4)}
     return {"req_ids": list(req_ids), "lengths": lengths, "layer_ids": list(cap.layer_ids), "states": desc,
