@@ -232,6 +232,9 @@ def test_every_sequence_is_delivered_once_with_its_own_states(gen):
         assert index not in got
         got[index] = states
         assert stats["sequences_in_flight"] <= 5
+        # the worker holds the states of requests in flight only (a step's tensors go with its requests)
+        held = gen.worker._speccompat_capture.stream.chunks
+        assert len(held) <= 5 and not {f"req_0_{i}" for i in got} & set(held)
     assert sorted(got) == list(range(len(seqs)))
     for i, seq in enumerate(seqs):
         check(seq, got[i])
