@@ -6,8 +6,9 @@ warm-up pass of each workload, --warm-up, excluded):
   generator  speculators' VllmHiddenStatesGenerator under speccompat (this project)
   generator-views  the same with generate(copy=False): views of the worker's shared-memory
              file instead of one copy per sequence and layer
-  generator-call  the same, generate() as one engine call whose reply is copied out after the loop
-             (SPECCOMPAT_GENERATE=call; before 2026-12-02 the only way)
+  generator-on-stream  the same, generate() on top of speccompat.generator.stream
+             (SPECCOMPAT_GENERATE=stream): each sequence copied out as soon as its last step ran,
+             while the next steps run, instead of the whole call after the loop
   generator-stream  speccompat.generator.stream() with copies: sequences admitted as earlier ones are
              handed out (at most --sequences-per-call in flight, 0: no bound), each handed out as soon
              as its last step ran
@@ -112,8 +113,8 @@ def run_mode(args: argparse.Namespace) -> dict:
             os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
         if args.mode == "generator-views-sync":
             os.environ["SPECCOMPAT_IN_FLIGHT"] = "1"
-        if args.mode == "generator-call":
-            os.environ["SPECCOMPAT_GENERATE"] = "call"
+        if args.mode == "generator-on-stream":
+            os.environ["SPECCOMPAT_GENERATE"] = "stream"
         import speccompat
 
         speccompat.apply()
@@ -482,7 +483,7 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["generator", "plain"],
-                    choices=["generator", "generator-call", "generator-stream", "generator-views",
+                    choices=["generator", "generator-on-stream", "generator-stream", "generator-views",
                              "generator-views-sync", "plain", "plain-sync", "original", "native",
                              "driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-dp"])
     ap.add_argument("--driver-dir", default="/dev/shm/speccompat-bench" if os.path.isdir("/dev/shm") else
@@ -590,11 +591,11 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     ratios = {}
     for w in workloads:
         ratios[w["name"]] = {f"{mine}/{other}": round(g / t, 3) if g and t else None
-                             for mine in ("generator", "generator-call", "generator-stream", "generator-views",
+                             for mine in ("generator", "generator-on-stream", "generator-stream", "generator-views",
                                           "generator-views-sync", "driver", "driver-disk", "driver-stream",
                                           "driver-stream-disk", "driver-dp")
                              for g in [tps(mine, w["name"])]
-                             for other in ("plain", "plain-sync", "generator-call", "generator-views-sync",
+                             for other in ("plain", "plain-sync", "generator", "generator-views-sync",
                                            "original", "native", "driver")
                              for t in [tps(other, w["name"])] if mine != other}
         ratios[w["name"]] = {k: v for k, v in ratios[w["name"]].items() if v is not None}

@@ -232,10 +232,11 @@ def compat_generate(self: Any, token_ids: Any, *, copy: bool = True) -> list[dic
 
 
 def generate_mode() -> str:
-    """``SPECCOMPAT_GENERATE``: how ``generate()`` with copies runs. ``stream`` (default): on top of
-    :func:`stream`, each sequence copied out as soon as its last step ran, while the next steps run;
-    ``call``: one reply for the whole call, copied out after the engine loop."""
-    mode = os.environ.get("SPECCOMPAT_GENERATE", "").strip() or "stream"
+    """``SPECCOMPAT_GENERATE``: how ``generate()`` with copies runs. ``call`` (default): one reply for
+    the whole call, copied out after the engine loop; ``stream``: on top of :func:`stream`, each
+    sequence copied out as soon as its last step ran, while the next steps run (to be measured on a
+    GPU before it becomes the default: on 2 CPU cores it was not faster, benchmarks/NOTES.md)."""
+    mode = os.environ.get("SPECCOMPAT_GENERATE", "").strip() or "call"
     if mode not in ("stream", "call"):
         raise ValueError(f"SPECCOMPAT_GENERATE={mode!r}: expected 'stream' or 'call'")
     return mode
