@@ -6,6 +6,12 @@ warm-up pass of each workload, --warm-up, excluded):
   generator  speculators' VllmHiddenStatesGenerator under speccompat (this project)
   generator-views  the same with generate(copy=False): views of the worker's shared-memory
              file instead of one copy per sequence and layer
+  generator-on-stream  the same, generate() on top of speccompat.generator.stream
+             (SPECCOMPAT_GENERATE=stream): each sequence copied out as soon as its last step ran,
+             while the next steps run, instead of the whole call after the loop
+  generator-stream  speccompat.generator.stream() with copies: sequences admitted as earlier ones are
+             handed out (at most --sequences-per-call in flight, 0: no bound), each handed out as soon
+             as its last step ran
   generator-views-sync  the same with one engine step in flight (SPECCOMPAT_IN_FLIGHT=1): each
              step's output is collected before the next is scheduled (the loop before 2026-12-01)
   plain      vLLM's own prefill: LLM.generate(max_tokens=1), prefix caching off - the physical
@@ -21,7 +27,12 @@ warm-up pass of each workload, --warm-up, excluded):
              (one safetensors file per sample, checksums, manifest, fsync) in --driver-dir,
              --driver-batch sequences per call; the timed part ends when the last file is durable.
              driver-disk: the same into --disk-dir, next to that disk's own fsync'd sequential
-             write bandwidth measured in the same run (disk_write_gbps)
+             write bandwidth measured in the same run (disk_write_gbps: one stream, as dd) and the
+             disk's rate for the driver's own pattern (disk_parallel_write_gbps: --writer-threads
+             threads each writing files of the driver's mean sample size, fsync'd, as fio would)
+  driver-stream, driver-stream-disk  the driver's writer fed by stream() (views) instead of
+             generate() calls: at most --driver-batch sequences in flight, each written as soon as
+             its last step ran
   driver-dp  --dp-size engines side by side (one GPU each share: --gpu-memory-utilization is
              split between them), each the driver mode on every dp-size-th sequence, started
              together once all are warm; tokens/s of the whole job (first start to last finish)
@@ -67,9 +78,12 @@ def sequences(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list
     return [[rng.randrange(4, vocab) for _ in range(rng.randrange(lo, hi + 1))] for _ in range(n)]
 
 
-def batches(workload: dict) -> list[list[list[int]]]:
-    """The workload's sequences, ``per_call`` per ``generate()`` call (0: all in one call)."""
+def batches(workload: dict, mode: str = "") -> list[list[list[int]]]:
+    """The workload's sequences, ``per_call`` per ``generate()`` call (0: all in one call); one stream
+    (bounded by ``per_call`` in flight) in the stream modes."""
     seqs = workload["seqs"]
+    if mode == "generator-stream":
+        return [seqs]
     per_call = workload["per_call"] or len(seqs)
     return [seqs[i : i + per_call] for i in range(0, len(seqs), per_call)]
 
@@ -92,13 +106,15 @@ def run_mode(args: argparse.Namespace) -> dict:
             assert len(out) == len(batch)
     elif args.mode == "native":
         extract = native_extractor(args)
-    elif args.mode in ("driver", "driver-disk"):
+    elif args.mode in ("driver", "driver-disk", "driver-stream", "driver-stream-disk"):
         extract = driver_extractor(args)
     else:
         if args.mode == "original":
             os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
         if args.mode == "generator-views-sync":
             os.environ["SPECCOMPAT_IN_FLIGHT"] = "1"
+        if args.mode == "generator-on-stream":
+            os.environ["SPECCOMPAT_GENERATE"] = "stream"
         import speccompat
 
         speccompat.apply()
@@ -113,6 +129,17 @@ def run_mode(args: argparse.Namespace) -> dict:
             res = gen.generate(batch, **views)
             assert len(res) == len(batch)
             extract.stats = getattr(gen, "_speccompat_stats", None)  # phases of the last call
+
+        if args.mode == "generator-stream":
+            from speccompat.generator import stream
+
+            def extract(batch):  # noqa: F811 - the workload's batches are one stream
+                items = stream(gen, batch, max_in_flight_sequences=extract.bound or None)
+                seen = 0
+                for _, states, stats in items:
+                    seen += len(states) == len(LAYER_IDS)
+                    extract.stats = stats  # of the last sequence handed out
+                assert seen == len(batch), (seen, len(batch))
 
     dp = (args.dp_size or 1) > 1 and args.barrier is not None  # one engine of a driver-dp run
     if dp:  # this engine's share of each workload
@@ -129,7 +156,8 @@ def run_mode(args: argparse.Namespace) -> dict:
     # a pinned multi-GB file (seconds on a GPU), which a long job pays once, not per call.
     for w, _, driver_batch in runs if args.warm_up == "each" else runs[:1]:
         extract.batch = driver_batch or args.driver_batch
-        for batch in batches(w):
+        extract.bound = w["per_call"]
+        for batch in batches(w, args.mode):
             extract(batch)
         clean_up(extract)
     if dp:
@@ -139,8 +167,9 @@ def run_mode(args: argparse.Namespace) -> dict:
         seqs, per_call = w["seqs"], w["per_call"] or len(w["seqs"])
         extract.batch = driver_batch or args.driver_batch
         wall0, t0 = time.time(), time.perf_counter()
+        extract.bound = w["per_call"]
         try:
-            for batch in batches(w):
+            for batch in batches(w, args.mode):
                 extract(batch)
         except Exception as exc:  # noqa: BLE001 - e.g. the original generator beyond 32 sequences
             results.append({"workload": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -215,7 +244,10 @@ def driver_extractor(args: argparse.Namespace):
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=LAYER_IDS, dtype="bfloat16",
                               max_seq_len=args.max_model_len - 1, on_long_line="fail",
                               tensor_parallel_size=args.tp, layout="safetensors", status=speccompat.status())
-    root = Path(args.disk_dir if args.mode == "driver-disk" else args.driver_dir)
+    from speccompat.generator import stream
+
+    streaming = args.mode.startswith("driver-stream")
+    root = Path(args.disk_dir if args.mode.endswith("-disk") else args.driver_dir)
     root.mkdir(parents=True, exist_ok=True)
     counter = itertools.count()
 
@@ -230,7 +262,12 @@ def driver_extractor(args: argparse.Namespace):
         size = getattr(extract, "batch", None) or args.driver_batch
         t1 = time.perf_counter()
         each = []  # per generate() call: engine loop seconds, staging files the workers had to make
-        for first in range(0, len(ds.todo), size):
+        if streaming:  # one stream, at most `size` sequences in flight, each written when its last step ran
+            todo = ds.todo
+            for index, states, _ in stream(gen, (list(s.input_ids) for s in todo), max_in_flight_sequences=size,
+                                           copy=False):
+                writer.submit([ds.job(todo[index], states)])
+        for first in range(0, 0 if streaming else len(ds.todo), size):
             part = ds.todo[first:first + size]
             # as examples/*/extract_hidden_states.py: views of the worker's staging file, written from there
             res = gen.generate([list(s.input_ids) for s in part], copy=False)
@@ -281,6 +318,34 @@ def disk_write_gbps(directory: str, total: int = 4 << 30, block: int = 16 << 20)
         os.close(fd)
         os.unlink(path)
     return round(total / (time.perf_counter() - t0) / 1e9, 3)
+
+
+def disk_parallel_write_gbps(directory: str, threads: int, file_bytes: int, total: int) -> float:
+    """The disk's rate for the driver's pattern (as fio would measure it): ``threads`` threads, each
+    writing whole files of ``file_bytes`` and fsync'ing each, ``total`` bytes in all, GB/s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tempfile.mkdtemp(prefix="speccompat-fio-", dir=directory)
+    buf = os.urandom(max(1, file_bytes))
+    files = max(threads, total // max(1, file_bytes))
+
+    def write(k: int) -> None:
+        for i in range(k, files, threads):
+            fd = os.open(os.path.join(root, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, buf)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    t0 = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(write, range(threads)))
+        seconds = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return round(files * len(buf) / seconds / 1e9, 3)
 
 
 def _tree(root: int) -> set[int]:
@@ -418,9 +483,9 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["generator", "plain"],
-                    choices=["generator", "generator-views", "generator-views-sync", "plain", "plain-sync",
-                             "original", "native",
-                             "driver", "driver-disk", "driver-dp"])
+                    choices=["generator", "generator-on-stream", "generator-stream", "generator-views",
+                             "generator-views-sync", "plain", "plain-sync", "original", "native",
+                             "driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-dp"])
     ap.add_argument("--driver-dir", default="/dev/shm/speccompat-bench" if os.path.isdir("/dev/shm") else
                     os.path.join(tempfile.gettempdir(), "speccompat-bench"), help="driver mode: output root")
     ap.add_argument("--disk-dir", default=os.path.join(tempfile.gettempdir(), "speccompat-bench-disk"),
@@ -477,8 +542,13 @@ def main() -> int:
     inputs = work / "inputs.json"
     inputs.write_text(json.dumps(workloads))
     results: dict[str, dict] = {}
-    if "driver-disk" in args.modes:
-        results["disk"] = {"mode": "disk", "dir": args.disk_dir, "disk_write_gbps": disk_write_gbps(args.disk_dir)}
+    if any(m.endswith("-disk") for m in args.modes):
+        sample = len(LAYER_IDS) * 2 * hidden_size(args) * sum(map(len, main_seqs)) // len(main_seqs)
+        total = max(256 << 20, min(4 << 30, sample * len(main_seqs)))
+        results["disk"] = {"mode": "disk", "dir": args.disk_dir, "disk_write_gbps": disk_write_gbps(args.disk_dir),
+                           "disk_parallel_write_gbps": disk_parallel_write_gbps(args.disk_dir, args.writer_threads,
+                                                                                sample, total),
+                           "threads": args.writer_threads, "file_bytes": sample, "total_bytes": total}
     for mode in args.modes:
         runs = [spawn_mode(mode, args, inputs) for _ in range(args.repeat)]
         ok = [r for r in runs if "error" not in r]
@@ -521,25 +591,28 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     ratios = {}
     for w in workloads:
         ratios[w["name"]] = {f"{mine}/{other}": round(g / t, 3) if g and t else None
-                             for mine in ("generator", "generator-views", "generator-views-sync", "driver",
-                                          "driver-disk", "driver-dp")
+                             for mine in ("generator", "generator-on-stream", "generator-stream", "generator-views",
+                                          "generator-views-sync", "driver", "driver-disk", "driver-stream",
+                                          "driver-stream-disk", "driver-dp")
                              for g in [tps(mine, w["name"])]
-                             for other in ("plain", "plain-sync", "generator-views-sync", "original", "native",
-                                           "driver")
+                             for other in ("plain", "plain-sync", "generator", "generator-views-sync",
+                                           "original", "native", "driver")
                              for t in [tps(other, w["name"])] if mine != other}
         ratios[w["name"]] = {k: v for k, v in ratios[w["name"]].items() if v is not None}
     # the driver modes' extra batch sizes ("main, batch=B"), against the same workload's plain prefill
-    for mine in ("driver", "driver-disk", "driver-dp"):
+    for mine in ("driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-dp"):
         for r in results.get(mine, {}).get("workloads", []):
             name, _, b = r["workload"].partition(", batch=")
             plain = tps("plain", name)
             if b and plain and r.get("tokens_per_s"):
                 ratios.setdefault(name, {})[f"{mine} batch={b}/plain"] = round(r["tokens_per_s"] / plain, 3)
         bytes_per_token = len(LAYER_IDS) * 2 * hidden_size(args)
-        d = tps("driver-disk", w["name"])
-        disk = results.get("disk", {}).get("disk_write_gbps")
-        if d and disk and bytes_per_token:
-            ratios[w["name"]]["driver-disk GB/s / disk GB/s"] = round(d * bytes_per_token / 1e9 / disk, 3)
+        for disk_mode in ("driver-disk", "driver-stream-disk"):
+            d = tps(disk_mode, w["name"])
+            for probe, label in (("disk_write_gbps", "disk"), ("disk_parallel_write_gbps", "parallel disk")):
+                disk = results.get("disk", {}).get(probe)
+                if d and disk and bytes_per_token:
+                    ratios[w["name"]][f"{disk_mode} GB/s / {label} GB/s"] = round(d * bytes_per_token / 1e9 / disk, 3)
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),

@@ -24,12 +24,17 @@ import operator
 import os
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import transport
+from .adapter import Done
 from .errors import HiddenStatesError, KVCacheTooSmall
 
-__all__ = ["compat_del", "compat_generate", "normalize_token_ids", "run_steps", "validate_results", "wrap_init"]
+__all__ = [
+    "StepLoop", "compat_del", "compat_generate", "generate_mode", "normalize_sequence", "normalize_token_ids",
+    "run_steps", "stream", "validate_results", "wrap_init",
+]
 
 logger = logging.getLogger("speccompat.generator")
 
@@ -72,30 +77,37 @@ def normalize_token_ids(token_ids: Any, *, vocab_size: int, max_len: int) -> tup
     seqs: list[list[int]] = []
     truncated: list[int] = []
     for i, seq in enumerate(token_ids):
-        if hasattr(seq, "tolist") and not isinstance(seq, (list, tuple)):
-            seq = seq.tolist()
-        if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)):
-            raise TypeError(f"sequence {i}: expected a list of token ids, got {type(seq).__name__}")
-        if len(seq) == 0:
-            raise ValueError(f"sequence {i} is empty")
-        out = _checked_ids(i, seq, vocab_size)
-        if len(out) > max_len:
+        out, cut = normalize_sequence(i, seq, vocab_size=vocab_size, max_len=max_len)
+        if cut:
             truncated.append(i)
-            out = out[:max_len]
         seqs.append(out)
     return seqs, truncated
 
 
+def normalize_sequence(i: int, seq: Any, *, vocab_size: int, max_len: int) -> tuple[list[int], bool]:
+    """Sequence ``i`` of the input as a list of ints, truncated to ``max_len``; and whether it was cut."""
+    if hasattr(seq, "tolist") and not isinstance(seq, (list, tuple)):
+        seq = seq.tolist()
+    if isinstance(seq, (str, bytes)) or not isinstance(seq, (list, tuple)):
+        raise TypeError(f"sequence {i}: expected a list of token ids, got {type(seq).__name__}")
+    if len(seq) == 0:
+        raise ValueError(f"sequence {i} is empty")
+    out = _checked_ids(i, seq, vocab_size)
+    return (out[:max_len], True) if len(out) > max_len else (out, False)
+
+
 def validate_results(
-    results: list[dict[str, Any]], seqs: list[list[int]], layer_ids: list[int], hidden: int, check_finite: bool = True
+    results: list[dict[str, Any]], seqs: list[list[int]], layer_ids: list[int], hidden: int, check_finite: bool = True,
+    indices: list[int] | None = None,
 ) -> None:
-    """Raise :class:`HiddenStatesError` unless every result matches its input exactly."""
+    """Raise :class:`HiddenStatesError` unless every result matches its input exactly (``indices``:
+    the input positions the sequences are named by in errors, default 0, 1, ...)."""
     import torch
 
     num_layers = len(layer_ids)
     if len(results) != len(seqs):
         raise HiddenStatesError(f"{len(results)} results for {len(seqs)} sequences")
-    for i, (res, seq) in enumerate(zip(results, seqs, strict=True)):
+    for i, res, seq in zip(indices or range(len(seqs)), results, seqs, strict=True):
         ids = res["input_ids"]
         if ids.tolist() != seq:
             raise HiddenStatesError(f"sequence {i}: input_ids differ from the input (order mix-up)")
@@ -141,6 +153,8 @@ def compat_generate(self: Any, token_ids: Any, *, copy: bool = True) -> list[dic
             len(truncated), max_len, truncated[:10],
         )
 
+    if copy and generate_mode() == "stream":
+        return _generate_streamed(self, seqs)
     call = getattr(self, "_request_counter", 0)
     self._request_counter = call + 1
     req_ids = [f"req_{call}_{i}" for i in range(len(seqs))]
@@ -217,6 +231,205 @@ def compat_generate(self: Any, token_ids: Any, *, copy: bool = True) -> list[dic
     return results
 
 
+def generate_mode() -> str:
+    """``SPECCOMPAT_GENERATE``: how ``generate()`` with copies runs. ``call`` (default): one reply for
+    the whole call, copied out after the engine loop; ``stream``: on top of :func:`stream`, each
+    sequence copied out as soon as its last step ran, while the next steps run (to be measured on a
+    GPU before it becomes the default: on 2 CPU cores it was not faster, benchmarks/NOTES.md)."""
+    mode = os.environ.get("SPECCOMPAT_GENERATE", "").strip() or "call"
+    if mode not in ("stream", "call"):
+        raise ValueError(f"SPECCOMPAT_GENERATE={mode!r}: expected 'stream' or 'call'")
+    return mode
+
+
+def _generate_streamed(self: Any, seqs: list[list[int]]) -> list[dict[str, Any]]:
+    """``generate()``'s contract on top of :func:`stream` (every sequence admitted at once)."""
+    import torch
+
+    t0 = time.perf_counter()
+    results: list[dict[str, Any] | None] = [None] * len(seqs)
+    stats: dict[str, Any] = {}
+    for i, states, last in _stream(self, seqs, None, None, True, checked=True):
+        stats = last
+        if results[i] is not None:
+            raise HiddenStatesError(f"sequence {i} handed out twice")
+        results[i] = {"input_ids": torch.tensor(seqs[i], dtype=torch.long), "hidden_states": states,
+                      "loss_mask": None}
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:
+        raise HiddenStatesError(f"no states for sequence(s) {missing[:10]}")
+    validate_results(results, seqs, list(self.layer_ids), self.vllm_config.model_config.get_hidden_size(),
+                     check_finite=False)
+    self._speccompat_stats = dict(stats, mode="stream", loop_s=round(time.perf_counter() - t0, 4))
+    return results  # type: ignore[return-value]
+
+
+def stream(
+    gen: Any,
+    token_ids: Iterable[Any],
+    *,
+    max_in_flight_sequences: int | None = 64,
+    max_in_flight_tokens: int | None = None,
+    copy: bool = True,
+) -> Iterator[tuple[int, list[Any], dict[str, Any]]]:
+    """Extract hidden states while feeding the engine continuously.
+
+    ``token_ids``: any iterable of token id sequences (read lazily, one at a time). A sequence is
+    admitted to the engine whenever fewer than ``max_in_flight_sequences`` sequences and
+    ``max_in_flight_tokens`` prompt tokens are in flight (admitted and not yet handed out; at least
+    one always is; ``None``: no bound), so vLLM's scheduler batches new requests with running ones.
+    Yields ``(index, hidden_states, stats)`` as soon as the step that completed a sequence's prefill
+    ran: ``index`` is the sequence's position in ``token_ids`` (delivery is in completion order),
+    ``hidden_states`` one tensor [n, hidden_size] per layer id, exactly what :func:`compat_generate`
+    returns for it (``copy=False``: views, see there). Memory is bounded by the in-flight budget,
+    whatever the number of inputs.
+
+    Each sequence's states are verified on the worker (positions, token ids, finiteness) and checked
+    here (count and shape) before they are yielded. A bad input raises when it is reached, naming its
+    index; sequences yielded before it stay valid. An error, ``close()`` or ``KeyboardInterrupt`` aborts
+    the requests in flight and leaves the generator usable.
+    """
+    for name, bound in (("max_in_flight_sequences", max_in_flight_sequences),
+                        ("max_in_flight_tokens", max_in_flight_tokens)):
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+            raise ValueError(f"{name} must be a whole number >= 1 or None, got {bound!r}")
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise TypeError(f"token_ids must be an iterable of token id sequences, got {type(token_ids).__name__}")
+    return _stream(gen, token_ids, max_in_flight_sequences, max_in_flight_tokens, copy, checked=False)
+
+
+def _stream(gen: Any, token_ids: Iterable[Any], max_seqs: int | None, max_tokens: int | None, copy: bool,
+            checked: bool) -> Iterator[tuple[int, list[Any], dict[str, Any]]]:
+    import torch
+
+    from . import streaming
+    from ._state import STATE
+
+    adapter = STATE.require_adapter()
+    mod = sys.modules[type(gen).__module__]
+    model_config = gen.vllm_config.model_config
+    vocab, max_len = model_config.get_vocab_size(), model_config.max_model_len - 1
+    hidden, layer_ids = model_config.get_hidden_size(), list(gen.layer_ids)
+    call = getattr(gen, "_request_counter", 0)
+    gen._request_counter = call + 1
+    executor, scheduler = gen.executor, gen.scheduler
+    loop = StepLoop(adapter, executor, scheduler)
+    sampling = mod.SamplingParams(max_tokens=1, temperature=0.0)
+    eos = getattr(gen.tokenizer, "eos_token_id", None)
+
+    inputs = enumerate(token_ids)
+    upcoming: tuple[int, list[int]] | None = None  # read, not yet admitted
+    exhausted = False
+    in_flight: dict[str, tuple[int, list[int]]] = {}  # admitted, not yet handed out
+    tokens = admitted = delivered = 0
+    finished: list[str] = []  # finished on the engine, not yet asked for
+    taking = False  # a take is queued
+
+    def next_input() -> tuple[int, list[int]] | None:
+        try:
+            i, seq = next(inputs)
+        except StopIteration:
+            return None
+        if checked:
+            return i, seq
+        out, cut = normalize_sequence(i, seq, vocab_size=vocab, max_len=max_len)
+        if cut:
+            logger.warning("speccompat: sequence %d longer than max_model_len - 1 = %d truncated", i, max_len)
+        return i, out
+
+    def fits(n: int) -> bool:
+        if not in_flight:
+            return True
+        return (max_seqs is None or len(in_flight) < max_seqs) and (max_tokens is None or tokens + n <= max_tokens)
+
+    def send_take() -> None:
+        nonlocal finished, taking
+        args = (finished, transport.busy())
+        if loop.depth > 1:  # steps are futures on this vLLM; the take queues behind them
+            fut = executor.collective_rpc(streaming.take, args=args, unique_reply_rank=0, non_block=True)
+        else:
+            fut = Done(executor.collective_rpc(streaming.take, args=args, unique_reply_rank=0))
+        loop.queue_rpc(finished, fut)
+        finished, taking = [], True
+
+    def unpack_take(req_ids: list[str], value: Any) -> list[tuple[int, list[Any], dict[str, Any]]]:
+        t0 = time.perf_counter()
+        reply = adapter.unique_reply(value)
+        if not reply or reply.get("req_ids") != req_ids:
+            raise HiddenStatesError("the workers returned states for other requests than asked for")
+        lengths = [len(in_flight[r][1]) for r in req_ids]
+        if reply["lengths"] != lengths:
+            raise HiddenStatesError(f"token counts {reply['lengths'][:8]} differ from the inputs {lengths[:8]}")
+        if reply.get("nonfinite"):
+            layer, (row, count) = next(iter(reply["nonfinite"].items()))
+            k = bisect.bisect_right(list(itertools.accumulate(lengths)), row)
+            raise HiddenStatesError(
+                f"sequence {in_flight[req_ids[k]][0]}, layer {layer}: non-finite values in {count} token(s), "
+                f"first at token {row - sum(lengths[:k])} of that sequence")
+        states = transport.unpack(reply["states"])
+        if tuple(states.shape) != (len(layer_ids), sum(lengths), hidden):
+            raise HiddenStatesError(f"packed states have shape {tuple(states.shape)}, expected "
+                                    f"({len(layer_ids)}, {sum(lengths)}, {hidden})")
+        parts = torch.split(states, lengths, dim=1)
+        out = copy_out(parts) if copy else [list(p.unbind(0)) for p in parts]
+        del parts, states
+        seqs = [in_flight[r][1] for r in req_ids]
+        indices = [in_flight[r][0] for r in req_ids]
+        validate_results([{"input_ids": torch.tensor(seq, dtype=torch.long), "hidden_states": h}
+                          for seq, h in zip(seqs, out, strict=True)], seqs, layer_ids, hidden,
+                         check_finite=False, indices=indices)
+        stats = dict(reply.get("stats", {}), driver_steps=loop.steps, in_flight=loop.depth,
+                     sequences_in_flight=len(in_flight), take_sequences=len(req_ids),
+                     unpack_s=round(time.perf_counter() - t0, 4))
+        return [(i, h, stats) for i, h in zip(indices, out, strict=True)]
+
+    executor.collective_rpc(streaming.begin)
+    try:
+        while True:
+            while not exhausted:
+                if upcoming is None and (upcoming := next_input()) is None:
+                    exhausted = True
+                elif fits(len(upcoming[1])):
+                    index, seq = upcoming
+                    rid = f"req_{call}_{index}"
+                    scheduler.add_request(mod.Request(request_id=rid, prompt_token_ids=seq, sampling_params=sampling,
+                                                      pooling_params=None, eos_token_id=eos, arrival_time=0.0,
+                                                      block_hasher=None))
+                    in_flight[rid], upcoming = (index, seq), None
+                    loop.live.add(rid)
+                    tokens += len(seq)
+                    admitted += 1
+                else:
+                    break
+            if not in_flight:
+                break
+            kind, what, value = loop.advance()
+            if kind == "step":
+                finished.extend(sorted(what, key=lambda r: in_flight[r][0]))
+            else:
+                taking = False
+                ready = unpack_take(what, value)
+                for rid in what:
+                    tokens -= len(in_flight.pop(rid)[1])
+            if finished and not taking:
+                send_take()  # before handing anything out: the workers keep running meanwhile
+            if kind == "rpc":
+                for item in ready:
+                    delivered += 1
+                    yield item
+        if delivered != admitted:
+            raise HiddenStatesError(f"{delivered} sequences handed out for {admitted} admitted")
+    except BaseException:
+        _abort(mod, scheduler, list(in_flight))
+        loop.drain()
+        raise
+    finally:
+        try:  # drop what the workers still hold (device memory)
+            executor.collective_rpc(streaming.end)
+        except Exception:  # noqa: BLE001, S110 - the original error (if any) is the one to report
+            pass
+
+
 def in_flight_override() -> int | None:
     """``SPECCOMPAT_IN_FLIGHT``: how many steps the engine loop keeps submitted (1: synchronous)."""
     raw = os.environ.get("SPECCOMPAT_IN_FLIGHT", "").strip()
@@ -228,47 +441,92 @@ def in_flight_override() -> int | None:
 
 
 def run_steps(adapter: Any, executor: Any, scheduler: Any, req_ids: list[str]) -> tuple[int, int]:
-    """Run engine steps until every request in ``req_ids`` finished; return ``(steps, depth)``.
-
-    EngineCore's batch-queue loop: up to ``adapter.in_flight(executor)`` steps are submitted and
-    not yet collected, so the next step is scheduled and sent while one runs on the device. Each
-    step's output reaches ``update_from_output`` exactly once, in order. A new step is scheduled
-    only while some request still has prompt tokens to schedule; a step with no tokens (the KV
-    cache is full until a running request finishes) still runs, since it carries the ids of the
-    requests that finished to the workers.
-    """
-    depth = in_flight_override() or adapter.in_flight(executor)
-    requests = scheduler.requests
-    live = set(req_ids)
-    queue: collections.deque = collections.deque()
-    steps = 0
-
-    def unscheduled() -> bool:
-        return any((q := requests.get(r)) is not None and q.num_computed_tokens < q.num_prompt_tokens for r in live)
-
-    while live:
-        if len(queue) < depth and unscheduled():
-            so = scheduler.schedule()
-            if not so.total_num_scheduled_tokens and not queue:
-                longest = max((q.num_prompt_tokens for r in live if (q := requests.get(r)) is not None), default=0)
-                raise KVCacheTooSmall(
-                    f"the scheduler could not schedule {len(live)} remaining sequence(s) of up to {longest} "
-                    "tokens: the KV cache is too small for them; raise gpu_memory_utilization (or give "
-                    "the engine more memory), or shorten the sequences (max_model_len) or the batch",
-                    longest=longest,
-                )
-            queue.append((so, adapter.submit(executor, so)))
-            if so.total_num_scheduled_tokens and len(queue) < depth:
-                continue
-        if not queue:
-            raise HiddenStatesError(f"{len(live)} sequence(s) neither finished nor left to schedule")
-        so, future = queue.popleft()
-        scheduler.update_from_output(so, future.result())
-        steps += bool(so.total_num_scheduled_tokens)
-        live = {r for r in live if (q := requests.get(r)) is not None and not q.is_finished()}
+    """Run engine steps until every request in ``req_ids`` finished; return ``(steps, depth)``
+    (see :class:`StepLoop`)."""
+    loop = StepLoop(adapter, executor, scheduler)
+    loop.live.update(req_ids)
+    while loop.live:
+        loop.advance()
     # Nothing is left in the queue: a step without tokens is only sent while a request is still
     # unscheduled, and the step that schedules it comes after it.
-    return steps, depth
+    return loop.steps, loop.depth
+
+
+class StepLoop:
+    """EngineCore's batch-queue loop over the requests in :attr:`live`.
+
+    Up to ``adapter.in_flight(executor)`` steps are submitted and not yet collected, so the next step
+    is scheduled and sent while one runs on the device. Each step's output reaches
+    ``update_from_output`` exactly once, in order. A new step is scheduled only while some request
+    still has prompt tokens to schedule; a step with no tokens (the KV cache is full until a running
+    request finishes) still runs, since it carries the ids of the requests that finished to the
+    workers. Other work for the workers (a stream's ``take``) can be queued between steps with
+    :meth:`queue_rpc`; it is collected in order with them. Requests may be added to the scheduler
+    (and to :attr:`live`) between calls of :meth:`advance`: the next step admits them.
+    """
+
+    def __init__(self, adapter: Any, executor: Any, scheduler: Any) -> None:
+        self.adapter, self.executor, self.scheduler = adapter, executor, scheduler
+        self.depth = in_flight_override() or adapter.in_flight(executor)
+        self.live: set[str] = set()
+        #: (kind, what, future) in submission order; kind "step" (what: the scheduler output) or "rpc".
+        self.queue: collections.deque = collections.deque()
+        self.steps = 0
+
+    def _unscheduled(self) -> bool:
+        requests = self.scheduler.requests
+        return any((q := requests.get(r)) is not None and q.num_computed_tokens < q.num_prompt_tokens
+                   for r in self.live)
+
+    def _pending_steps(self) -> int:
+        return sum(kind == "step" for kind, *_ in self.queue)
+
+    def queue_rpc(self, what: Any, future: Any) -> None:
+        self.queue.append(("rpc", what, future))
+
+    def advance(self) -> tuple[str, Any, Any]:
+        """Schedule and submit steps as the depth allows, then collect the oldest queued item:
+        ``("step", finished request ids, None)`` or ``("rpc", what, its reply)``."""
+        while True:
+            if self._pending_steps() < self.depth and self._unscheduled():
+                so = self.scheduler.schedule()
+                if not so.total_num_scheduled_tokens and not self.queue:
+                    requests = self.scheduler.requests
+                    longest = max((q.num_prompt_tokens for r in self.live if (q := requests.get(r)) is not None),
+                                  default=0)
+                    raise KVCacheTooSmall(
+                        f"the scheduler could not schedule {len(self.live)} remaining sequence(s) of up to "
+                        f"{longest} tokens: the KV cache is too small for them; raise gpu_memory_utilization (or "
+                        "give the engine more memory), or shorten the sequences (max_model_len) or the batch",
+                        longest=longest,
+                    )
+                self.queue.append(("step", so, self.adapter.submit(self.executor, so)))
+                if so.total_num_scheduled_tokens and self._pending_steps() < self.depth:
+                    continue
+            if not self.queue:
+                raise HiddenStatesError(f"{len(self.live)} sequence(s) neither finished nor left to schedule")
+            kind, what, future = self.queue[0]
+            value = future.result()
+            self.queue.popleft()
+            if kind == "rpc":
+                return kind, what, value
+            self.scheduler.update_from_output(what, value)
+            self.steps += bool(what.total_num_scheduled_tokens)
+            requests = self.scheduler.requests
+            finished = {r for r in self.live if (q := requests.get(r)) is None or q.is_finished()}
+            self.live -= finished
+            return kind, finished, None
+
+    def drain(self) -> None:
+        """Collect whatever is still queued, ignoring errors (after an abort)."""
+        while self.queue:
+            kind, what, future = self.queue.popleft()
+            try:
+                value = future.result()
+                if kind == "step":
+                    self.scheduler.update_from_output(what, value)
+            except Exception:  # noqa: BLE001, S110 - the error that stopped the loop is the one to report
+                pass
 
 
 def copy_out(parts: Any) -> list[list[Any]]:

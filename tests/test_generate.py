@@ -91,11 +91,17 @@ def engine(monkeypatch):
     return gen
 
 
-def test_a_failing_step_aborts_every_request_and_drops_the_capture(engine):
+@pytest.mark.parametrize("mode", ["call", "stream"])
+def test_a_failing_step_aborts_every_request_and_drops_the_capture(engine, monkeypatch, mode):
+    from speccompat import streaming
+
+    monkeypatch.setenv("SPECCOMPAT_GENERATE", mode)
     with pytest.raises(StepFailed, match="died in the middle"):
         generator.compat_generate(engine, [[1, 2, 3], [4, 5]])
     assert engine.scheduler.finished == [(["req_0_0", "req_0_1"], "aborted")]
-    assert engine.executor.rpcs == ["_reset_capture", "_reset_capture"]  # before the call, and after the failure
+    # before the call, and after the failure (dropping what the workers captured)
+    assert engine.executor.rpcs == {"call": ["_reset_capture", "_reset_capture"],
+                                    "stream": [streaming.begin, streaming.end]}[mode]
     assert all(r.is_finished() for r in engine.scheduler.requests.values())
     # the next call starts afresh with new request ids
     with pytest.raises(StepFailed):

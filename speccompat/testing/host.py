@@ -8,7 +8,9 @@ requests until it is told to stop or its parent goes away.
 
     python -m speccompat.testing.host --address ADDR --model PATH --layer-ids 1 3 5 [...]
 
-Requests (pickled over ``multiprocessing.connection``): ``{"op": "generate", "token_ids": ...}``,
+Requests (pickled over ``multiprocessing.connection``): ``{"op": "generate", "token_ids": ...}`` (and
+``"mode"``: ``SPECCOMPAT_GENERATE`` for this call), ``{"op": "stream", "token_ids": ...,
+"options": {...}}`` (``speccompat.generator.stream``'s keywords; every item, in delivery order),
 ``{"op": "status"}``, ``{"op": "stop"}``. Replies: ``{"ok": True, "result": ...}`` or
 ``{"ok": False, "type": ..., "error": ..., "traceback": ...}``.
 
@@ -90,12 +92,27 @@ def _serve(args: argparse.Namespace) -> None:
         try:
             if op == "generate":
                 t = time.time()
-                out = gen.generate(req["token_ids"])
+                before = os.environ.get("SPECCOMPAT_GENERATE")
+                if req.get("mode"):  # speccompat.generator.generate_mode, for this call
+                    os.environ["SPECCOMPAT_GENERATE"] = req["mode"]
+                try:
+                    out = gen.generate(req["token_ids"])
+                finally:
+                    os.environ.pop("SPECCOMPAT_GENERATE", None)
+                    if before is not None:
+                        os.environ["SPECCOMPAT_GENERATE"] = before
                 result: Any = {
                     "results": out,
                     "seconds": time.time() - t,
                     "stats": getattr(gen, "_speccompat_stats", None),
                 }
+            elif op == "stream":
+                from speccompat.generator import stream
+
+                t = time.time()
+                out = list(stream(gen, req["token_ids"], **req.get("options", {})))
+                result = {"items": [(i, states) for i, states, _ in out], "seconds": time.time() - t,
+                          "stats": out[-1][2] if out else None}
             elif op == "status":
                 import speccompat
 
