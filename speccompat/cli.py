@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     from .dataset import shards as _shards
 
     _shards.add_parser(sub)
+    from .dataset import export as _export
+
+    _export.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd in (None, "doctor"):
         as_json = getattr(args, "json", False)
@@ -263,5 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         return _verify.main(args)
     if args.cmd == "merge":
         return _shards.main(args)
+    if args.cmd == "export":
+        return _export.main(args)
     ap.print_help()
     return 2

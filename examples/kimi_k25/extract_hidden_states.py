@@ -42,9 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prepared-data", required=True, type=Path,
                     help='JSONL from prepare_data.py: {"id", "input_ids", "loss_mask"?} per line')
     ap.add_argument("--output-dir", required=True, type=Path, help="the data set; re-running resumes")
-    ap.add_argument("--format", choices=("safetensors", "speculators"), default="safetensors",
+    ap.add_argument("--format", choices=("safetensors", "speculators", "speculators-arrow"), default="safetensors",
                     help="safetensors: <id>.safetensors per sample; speculators: data_<i>.pt and "
-                         "data_config.json as speculators' own data_generation_offline.py writes them")
+                         "data_config.json as speculators' own data_generation_offline.py writes them "
+                         "(speculators 0.3/0.4); speculators-arrow: the Arrow dataset + hidden_states/hs_<row>"
+                         ".safetensors speculators >= 0.5 trains on (layers ascending, the last the final "
+                         "layer; needs speccompat[arrow])")
     ap.add_argument("--batch-size", type=_positive_int, default=2, help="sequences per generate() call")
     ap.add_argument("--max-seq-len", type=_positive_int, default=2048,
                     help="longest sequence kept whole (the engine gets max_model_len = this + 1)")

@@ -141,6 +141,11 @@ class Layout:
                   for i, h in zip(layer_ids, hidden_states, strict=True)]
         return named
 
+    def expected_tensors(self, n: int, layer_ids: list[int], hidden: int, has_mask: bool) -> dict[str, list[int]]:
+        """Tensor name -> shape of a sample of ``n`` tokens (what verify checks a file against)."""
+        return {"input_ids": [n], **({"loss_mask": [n]} if has_mask else {}),
+                **{f"hidden_states_{i}": [n, hidden] for i in layer_ids}}
+
     def encode(self, named: list[tuple[str, Any]], metadata: dict[str, str]) -> Encoded:
         return encode_safetensors(named, metadata)
 
@@ -193,11 +198,17 @@ class SpeculatorsLayout(Layout):
         return {}, {n: (st_dtype(t), list(t.shape), tensor_buffer(t)) for n, t in out.items()}, obj
 
 
-def layout_named(name: str, layer_ids: list[int] | None = None) -> Layout:
+def layout_named(name: str, layer_ids: list[int] | None = None, num_layers: int | None = None) -> Layout:
+    """The layout ``name``; ``num_layers`` (the model's decoder layers) lets a layout refuse a layer
+    set it cannot store faithfully."""
+    if name == "speculators-arrow":
+        from .arrow_format import layout
+
+        return layout(layer_ids, num_layers)
     if name == SAFETENSORS:
         return Layout()
     if name == SPECULATORS:
         lay = SpeculatorsLayout()
         lay.layer_ids = list(layer_ids or [])  # type: ignore[attr-defined]
         return lay
-    raise ValueError(f"unknown layout {name!r} (known: {SAFETENSORS}, {SPECULATORS})")
+    raise ValueError(f"unknown layout {name!r} (known: {SAFETENSORS}, {SPECULATORS}, speculators-arrow)")

@@ -511,6 +511,7 @@ def main(args: Any) -> int:
         return 2
     print(f"merge {out_dir}: {len(res.parts)} part(s) joined, {res.entries} entries", file=sys.stderr)
     n = res.entries
+    _finalize(out_dir, Manifest(out_dir).load())
     if not args.no_verify:
         found, n = verify_dataset(out_dir, args.threads)
         problems += found
@@ -526,6 +527,15 @@ def main(args: Any) -> int:
         print(f"{out_dir}/{line}" if not line.startswith(str(out_dir)) else line)
     print(f"merge {out_dir}: {n} entries, {len(problems)} problem(s)", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _finalize(out_dir: Path, m: Manifest) -> None:
+    """A layout's derived files over the merged entries (speculators-arrow: the Arrow rows)."""
+    if m.header is None:
+        return
+    layout = layout_named(m.header["layout"], (m.provenance or {}).get("hidden_states", {}).get("layer_ids"))
+    if hasattr(layout, "finalize"):
+        layout.finalize(out_dir)
 
 
 def check_present(out_dir: Path) -> list[str]:
@@ -581,6 +591,7 @@ def finish_job(out_dir: Path, inputs: Path, *, limit: int | None = None, token_f
                              layer_ids=prov["hidden_states"]["layer_ids"], hidden_size=int(prov["model"]["hidden_size"]),
                              speculators_version=None, extra=dict(extra or {}))
         write_side_files(ds, token_freq_path)
+    _finalize(out_dir, m)
     logger.info("data set %s complete: %d manifest part(s) merged, all %d input samples present once", out_dir,
                 len(res.parts), n)
     return 0

@@ -101,6 +101,8 @@ class OpenDataset:
             from .speculators_format import write_side_files
 
             write_side_files(self, token_freq_path)
+        elif hasattr(self.layout, "finalize"):  # speculators-arrow: Arrow rows over every finished sample
+            self.layout.finalize(self.out_dir)
 
 
 def _expected_bytes(sample: Sample, n_layers: int, hidden: int, per: int) -> int:
@@ -156,7 +158,7 @@ def _run_facts(out_dir: Path, provenance: dict[str, Any]) -> tuple[list[int], st
     is known to be usable (:func:`check_output_dir`)."""
     hs = provenance["hidden_states"]
     layer_ids, dtype = list(hs["layer_ids"]), hs["dtype"]
-    layout = layout_named(provenance["layout"], layer_ids)
+    layout = layout_named(provenance["layout"], layer_ids, provenance["model"].get("num_hidden_layers"))
     check_output_dir(out_dir)
     return layer_ids, dtype, int(provenance["model"]["hidden_size"]), layout
 

@@ -59,15 +59,13 @@ def _check_entry(out_dir: Path, entry: dict[str, Any], layout: Any, digest: Any,
     hidden = prov["model"]["hidden_size"]
     n = entry.get("num_tokens")
     st_dtype = DTYPES[prov["hidden_states"]["dtype"]][1]
-    expected = {"input_ids": [n], **{f"hidden_states_{i}": [n, hidden] for i in layer_ids}}
-    if "loss_mask" in want or "loss_mask" in tensors:
-        expected["loss_mask"] = [n]
+    expected = layout.expected_tensors(n, layer_ids, hidden, "loss_mask" in want or "loss_mask" in tensors)
     if set(tensors) != set(expected):
         p.append(f"{name}: tensors {sorted(tensors)}, expected {sorted(expected)}")
     for t, (dtype, shape, buf) in sorted(tensors.items()):
         if t in expected and shape != expected[t]:
             p.append(f"{name}: {t} has shape {shape}, expected {expected[t]}")
-        if t.startswith("hidden_states_") and dtype != st_dtype:
+        if t.startswith("hidden_states") and dtype != st_dtype:
             p.append(f"{name}: {t} is {dtype}, the data set stores {st_dtype}")
         w = want.get(t)
         if w is None:
@@ -77,7 +75,7 @@ def _check_entry(out_dir: Path, entry: dict[str, Any], layout: Any, digest: Any,
             p.append(f"{name}: {t} is {dtype} {shape}, the manifest says {w['dtype']} {w['shape']}")
         elif digest(buf) != w["checksum"]:
             p.append(f"{name}: {t} checksum differs from the manifest")
-        if t.startswith("hidden_states_") and dtype in ("BF16", "F16", "F32") and len(buf):
+        if t.startswith("hidden_states") and dtype in ("BF16", "F16", "F32") and len(buf):
             x = _frombuffer(buf, {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype])
             if not bool(torch.isfinite(x).all()):
                 p.append(f"{name}: {t} has {int((~torch.isfinite(x)).sum())} non-finite values")
@@ -86,15 +84,13 @@ def _check_entry(out_dir: Path, entry: dict[str, Any], layout: Any, digest: Any,
     if "input_ids" in tensors and entry.get("input_sha256"):
         ids = _frombuffer(tensors["input_ids"][2], torch.int64).tolist() if len(tensors["input_ids"][2]) else []
         mask = None
-        if "loss_mask" in tensors and layout.name == "safetensors":
-            mask = _frombuffer(tensors["loss_mask"][2], torch.int64).tolist()
-        elif layout.name == "speculators":
+        if "loss_mask" in tensors:  # safetensors: when the input had one; other layouts: always (ones)
             mask = _frombuffer(tensors["loss_mask"][2], torch.int64).tolist()
         if input_digest(ids, mask) != entry["input_sha256"] and not (
-                layout.name == "speculators" and input_digest(ids, None) == entry["input_sha256"]
+                layout.name != "safetensors" and input_digest(ids, None) == entry["input_sha256"]
                 and set(mask or []) <= {1}):
             p.append(f"{name}: input_ids/loss_mask do not hash to the manifest's input_sha256")
-    if layout.name == "safetensors":
+    if layout.suffix == ".safetensors":
         raw = meta.get("speccompat_provenance")
         if raw is None:
             p.append(f"{name}: no provenance in its metadata")
@@ -133,6 +129,10 @@ def verify_dataset(out_dir: Path, threads: int = 4) -> tuple[list[str], int]:
         for res in pool.map(lambda e: _check_entry(out_dir, e, layout, digest, prov, prov_sha), entries):
             problems += res
     known = {MANIFEST_NAME, LOCK_NAME, *m.entries, *layout.side_files}
+    if hasattr(layout, "check_view"):  # a layout's derived files (speculators-arrow: the trainer's view)
+        view_problems, view_names = layout.check_view(out_dir, m)
+        problems += view_problems
+        known |= view_names
     for p in sorted(out_dir.iterdir()):
         if p.name not in known:
             kind = "temporary file of an interrupted run" if p.name.endswith(".partial") else "not in the manifest"
