@@ -181,3 +181,43 @@ def test_export_refuses_a_set_without_the_final_layer(tmp_path):
     with pytest.raises(Rejected, match="not the final decoder layer 7"):
         export_dataset(tmp_path / "out", "speculators-arrow", tmp_path / "arrow", progress=False)
     assert not (tmp_path / "arrow").exists()
+
+
+def test_arrow_layout_shards_then_merge_number_rows_in_input_order(tmp_path):
+    import argparse
+
+    from datasets import load_from_disk
+    from test_shards import run_shard
+
+    from speccompat.dataset import verify_dataset
+    from speccompat.dataset.shards import main as merge_main
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(9, seed=8)))
+    prov = provenance(model, layout="speculators-arrow")
+    for k in (1, 0):  # finishing in any order
+        run_shard(tmp_path / "out", samples, prov, k, 2)
+    assert not (tmp_path / "out" / "state.json").exists()  # no view before the merge
+    args = argparse.Namespace(dir=tmp_path / "out", threads=2, no_verify=False, inputs=None, limit=None)
+    assert merge_main(args) == 0
+    rows = load_from_disk(str(tmp_path / "out")).with_format(None)
+    assert [r["input_ids"] for r in rows] == [list(s.input_ids) for s in samples]
+    assert verify_dataset(tmp_path / "out") == ([], 9)
+
+
+def test_export_speculators_04_to_arrow(tmp_path):
+    """A ``data_<i>.pt`` set (speculators 0.3/0.4's layout) to the Arrow layout, tensor-equal."""
+    from speccompat.dataset import open_dataset
+    from speccompat.dataset.export import export_dataset
+
+    model = model_dir(tmp_path)
+    recs = random_records(6, seed=9)
+    recs[0].pop("loss_mask")
+    samples = scan(jsonl(tmp_path / "d.jsonl", recs))
+    ds = open_dataset(tmp_path / "pt", samples, provenance(model, layout="speculators"))
+    with ds.writer(threads=2) as w:  # the .pt files and manifest (data_config.json needs speculators itself)
+        w.submit([ds.job(s, states(s)) for s in ds.todo])
+    ds.lock.close()
+    assert sorted(p.name for p in (tmp_path / "pt").glob("*.pt")) == [f"data_{i}.pt" for i in range(6)]
+    assert export_dataset(tmp_path / "pt", "speculators-arrow", tmp_path / "arrow", progress=False) == []
+    assert _same(tmp_path / "pt", tmp_path / "arrow") == 6
