@@ -179,10 +179,7 @@ class ArrowLayout(Layout):
             writer.finalize()
         finally:
             writer.close()
-        ds = Dataset.from_file(str(build / "rows.arrow"))
-        ds.set_format(type="torch")
-        ds.save_to_disk(str(build / "arrow"))
-        del ds
+        _save(Dataset.from_file(str(build / "rows.arrow")), build / "arrow")
         info = {"format": ARROW, "rows": rows, **layer_semantics(self.layer_ids),
                 "trainer": "speculators >= 0.5: --data-path DIR (0.8+: --on-missing raise), "
                            "--target-layer-ids " + " ".join(str(i + 1) for i in self.layer_ids[:-1])}
@@ -207,6 +204,21 @@ def _features() -> Any:
     from datasets import Features, Sequence, Value
 
     return Features({k: Sequence(Value(t)) if kind == "list" else Value(t) for k, (kind, t) in _FEATURES.items()})
+
+
+def _save(ds: Any, path: Path) -> None:
+    """``ds`` in torch format (as speculators' preprocessing saves it) at ``path``, without
+    ``datasets``' own progress bars (the rows already had one)."""
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        ds.set_format(type="torch")
+        ds.save_to_disk(str(path))
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
 
 
 def _swap_in(out_dir: Path, build: Path, freq: dict[int, int], info: dict[str, Any]) -> None:
