@@ -221,3 +221,17 @@ def test_export_speculators_04_to_arrow(tmp_path):
     assert sorted(p.name for p in (tmp_path / "pt").glob("*.pt")) == [f"data_{i}.pt" for i in range(6)]
     assert export_dataset(tmp_path / "pt", "speculators-arrow", tmp_path / "arrow", progress=False) == []
     assert _same(tmp_path / "pt", tmp_path / "arrow") == 6
+
+
+def test_arrow_layout_without_datasets_is_refused_before_any_engine(tmp_path, monkeypatch):
+    import importlib.util
+
+    from speccompat.dataset import Rejected, open_dataset
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(2)))
+    with pytest.raises(Rejected, match=r"needs datasets: pip install 'speccompat\[arrow\]'"):
+        open_dataset(tmp_path / "out", samples, provenance(model, layout="speculators-arrow"))
+    assert not (tmp_path / "out" / "manifest.jsonl").exists()

@@ -41,7 +41,7 @@ from .fsutil import fsync_dir, write_atomic
 from .inputs import input_digest
 from .manifest import Manifest
 
-__all__ = ["ARROW", "ArrowLayout", "check_layers", "layer_semantics"]
+__all__ = ["ARROW", "ArrowLayout", "check_layers", "layer_semantics", "require_datasets"]
 
 logger = logging.getLogger("speccompat.dataset")
 
@@ -256,6 +256,10 @@ def check_view(layout: ArrowLayout, out_dir: Path, manifest: Manifest) -> list[s
     import torch
 
     rebuild = f"re-run the extraction or `speccompat merge {out_dir}` to rebuild it"
+    try:
+        require_datasets()
+    except Rejected as exc:
+        return [f"{STATE}: the Arrow view cannot be checked: {exc}"]
     if (out_dir / BUILD_DIR).exists():
         return [f"{BUILD_DIR}: left by an interrupted build of the Arrow view; {rebuild}"]
     if not (out_dir / STATE).is_file():
@@ -315,10 +319,22 @@ def check_view(layout: ArrowLayout, out_dir: Path, manifest: Manifest) -> list[s
     return p
 
 
+def require_datasets() -> None:
+    """:class:`Rejected` unless ``datasets`` and ``pyarrow`` can be imported."""
+    import importlib.util
+
+    missing = [m for m in ("datasets", "pyarrow") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise Rejected(f"--format {ARROW} needs {' and '.join(missing)}: pip install 'speccompat[arrow]'")
+
+
 def layout(layer_ids: list[int] | None = None, num_layers: int | None = None) -> ArrowLayout:
-    """The layout for ``layer_ids`` (checked: ascending, the last the final layer when ``num_layers``
-    is given)."""
+    """The layout for ``layer_ids``, checked (ascending). ``num_layers`` is given by what writes a
+    data set: then the last layer must be the final one, and ``datasets`` must be importable (so a
+    run is refused before its engine starts, not at its end)."""
     if layer_ids:
         check_layers(list(layer_ids), num_layers)
+    if num_layers is not None:
+        require_datasets()
     return ArrowLayout(layer_ids)
 
