@@ -511,7 +511,10 @@ def main(args: Any) -> int:
         return 2
     print(f"merge {out_dir}: {len(res.parts)} part(s) joined, {res.entries} entries", file=sys.stderr)
     n = res.entries
-    _finalize(out_dir, Manifest(out_dir).load())
+    try:
+        _finalize(out_dir, Manifest(out_dir).load())
+    except Rejected as exc:  # a file the layout's derived files are built from is not as recorded
+        problems.append(str(exc))
     if not args.no_verify:
         found, n = verify_dataset(out_dir, args.threads)
         problems += found
