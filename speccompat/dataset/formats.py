@@ -9,6 +9,8 @@ by :func:`encode_safetensors` straight from tensor memory (header + raw buffers,
 ``scripts/data_generation_offline.py`` writes with ``torch.save``: ``{"input_ids": LongTensor[n],
 "hidden_states": [Tensor[n, hidden], ...], "loss_mask": LongTensor[n]}`` (all ones when the input
 has no mask), read by ``speculators.train.data.Eagle3SampleFileDataset`` unchanged.
+
+``speculators-arrow``: what speculators >= 0.5 trains on (:mod:`speccompat.dataset.arrow_format`).
 """
 
 from __future__ import annotations
