@@ -10,6 +10,8 @@ Creates ``.envs/vllm-<V>/`` (a venv) with:
 - speculators 0.3.0, 0.4.0 and 0.4.0.1, each in its own folder ``speculators-<X>/`` (installed
   ``--no-deps``: they declare deepspeed, datasets and vLLM itself), plus what their import needs;
 - speccompat itself (editable) with its test and ray extras (the Ray engine test runs on a local cluster);
+- the speculators 0.6.0 / 0.9.0 and hs-connectors 0.9.0 wheels in ``.envs/trainer-wheels/`` (downloaded,
+  not installed: the speculators-arrow tests import their ``ArrowDataset`` in a child process);
 - ``speccompat-env.json`` describing all of it, which the test suite reads. It is written last:
   only a complete environment has one.
 
@@ -42,6 +44,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 WHEELS = REPO / ".envs" / "wheels"
 SPECULATORS = ("0.3.0", "0.4.0", "0.4.0.1")
+#: The wheels whose training data loader (ArrowDataset) the speculators-arrow tests run
+#: (tests/trainer_wheels.py unpacks them from here; they are not installed).
+TRAINER_WHEELS = REPO / ".envs" / "trainer-wheels"
+TRAINERS = ("speculators==0.6.0", "speculators==0.9.0", "hs-connectors==0.9.0")
 # What `import speculators.data_generation` needs beyond what vLLM brings (measured: the import
 # succeeds with exactly these; speculators' declared deps add deepspeed, datasets, ...).
 SPECULATORS_IMPORT_DEPS = ("loguru", "pydantic-settings", "typer-slim", "rich")
@@ -310,6 +316,8 @@ def build(version: str, dest: Path, force: bool = False) -> dict:
         run([py, "-m", "pip", "download", "-q", "-d", str(wheels), *wanted])
         for s in SPECULATORS:
             run([py, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), f"speculators=={s}"])
+        for req in TRAINERS:
+            run([py, "-m", "pip", "download", "-q", "--no-deps", "-d", str(TRAINER_WHEELS), req])
         # speccompat's own build backend and test extras, so that installing it needs no index either
         run([py, "-m", "pip", "download", "-q", "-d", str(wheels), "setuptools>=68", "wheel", f"{REPO}[test,ray]"])
         for own in wheels.glob("speccompat-*"):

@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     from .dataset import check_draft as _check_draft
 
     _check_draft.add_parser(sub)
+    from .dataset import export as _export
+
+    _export.add_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd in (None, "doctor"):
         as_json = getattr(args, "json", False)
@@ -276,5 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         return _shards.main(args)
     if args.cmd == "check-draft":
         return _check_draft.main(args)
+    if args.cmd == "export":
+        return _export.main(args)
     ap.print_help()
     return 2

@@ -243,6 +243,15 @@ def test_served_ids_follow_vllms_lookup_order():
         assert served_aux_ids(cfg, 61).aux_ids == tuple(sorted(set(theirs))), cfg
 
 
+def ids_unset_draft(tmp_path: Path) -> Path:
+    """A draft whose config.json leaves the aux layer ids unset (as speculators 0.4's trainer does)."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3",
+                                                  "transformer_layer_config": {"model_type": "llama"}}))
+    return draft
+
+
 def test_data_config_of_a_speculators_made_data_set_and_bad_input(tmp_path, capsys):
     """A data set made by speculators' own script has only ``data_config.json`` (fields as
     ``DataGenerationConfig`` writes them, speccompat/dataset/speculators_format.py)."""
@@ -251,10 +260,7 @@ def test_data_config_of_a_speculators_made_data_set_and_bad_input(tmp_path, caps
     ds.mkdir()
     (ds / "data_config.json").write_text(json.dumps({"model": {"target_model_path": str(model)},
                                                     "hidden_states": {"layer_ids": KIMI_IDS}}))
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3",
-                                                  "transformer_layer_config": {"model_type": "llama"}}))
+    draft = ids_unset_draft(tmp_path)
     assert cli(["check-draft", str(draft), str(ds)]) == 1
     assert "trained on the outputs of layers 2 30 58" in capsys.readouterr().out
     (ds / "data_config.json").write_text(json.dumps({"model": {"target_model_path": "org/hub-id"},
@@ -287,3 +293,22 @@ def test_a_data_set_without_the_final_layer_is_a_mismatch_fix_cannot_repair(tmp_
     assert "the last stored layer, 58, is not the final decoder layer 60" in captured.out
     assert "not fixed" in captured.err and (draft / "config.json").read_text() == cfg
     assert not (draft / "config.json.bak").exists()
+
+
+def test_the_arrow_layouts_own_file_names_its_layers(tmp_path, capsys):
+    """An Arrow set copied without its manifest (the trainer's view only): ``speccompat_arrow.json``
+    gives the layers, the last being the final decoder layer, so the layer count is known."""
+    from speccompat.dataset.arrow_format import INFO_NAME, layer_semantics
+    from speccompat.dataset.check_draft import dataset_layers
+
+    ds = tmp_path / "arrow"
+    ds.mkdir()
+    (ds / INFO_NAME).write_text(json.dumps({"format": "speculators-arrow", "rows": [], **layer_semantics(KIMI_IDS)}))
+    found = dataset_layers(ds)
+    assert (found.layer_ids, found.num_hidden_layers, found.source) == (KIMI_IDS, KIMI_LAYERS, str(ds / INFO_NAME))
+    draft = ids_unset_draft(tmp_path)
+    assert cli(["check-draft", str(draft), str(ds)]) == 1
+    assert "trained on the outputs of layers 2 30 58" in capsys.readouterr().out
+    (ds / INFO_NAME).write_text(json.dumps({"layers": "none"}))
+    assert cli(["check-draft", str(draft), str(ds)]) == 2
+    assert "no layers[].layer" in capsys.readouterr().err

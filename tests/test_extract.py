@@ -66,6 +66,34 @@ def test_a_refused_command_exits_2_before_any_engine_and_writes_nothing(tmp_path
     assert "--layer-ids:" in caplog.text and "nothing was started or written" in caplog.text
 
 
+@pytest.mark.parametrize(("layer_ids", "missing", "needle"), [
+    (["1", "3"], None, "the last layer is 3, not the final decoder layer 5"),
+    (["3", "1", "5"], None, "layer 1 follows layer 3; layers must be strictly ascending"),
+    (["1", "5"], "pyarrow", "needs pyarrow: pip install 'speccompat[arrow]'"),
+])
+def test_speculators_arrow_refuses_before_any_engine(tmp_path, monkeypatch, caplog, layer_ids, missing, needle):
+    """--format speculators-arrow: a layer set the trainer would misread, or no datasets/pyarrow, is
+    refused by the settings check (exit 2), before an engine starts or anything is written, also for
+    the launcher of several engines."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    model = model_dir(tmp_path)
+    data = jsonl(tmp_path / "d.jsonl", random_records(3))
+    out = tmp_path / "out"
+    monkeypatch.setattr(ex, "start_generator", lambda *a: pytest.fail("the engine must not start"))
+    import speccompat.parallel
+
+    monkeypatch.setattr(speccompat.parallel, "launch_engines", lambda *a: pytest.fail("no engine may be launched"))
+    for extra in ([], ["--data-parallel-size", "2"]):
+        caplog.clear()
+        code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
+                        "--format", "speculators-arrow", "--max-seq-len", "64", "--layer-ids", *layer_ids, *extra])
+        assert code == 2 and not out.exists(), extra
+        assert needle in caplog.text and "nothing was started or written" in caplog.text
+
+
 class Gen:
     def __init__(self, *outcomes):
         self.outcomes, self.calls = list(outcomes), []

@@ -26,7 +26,8 @@ both writes are atomic.
 Where a data set's layers come from: the provenance in ``manifest.jsonl``'s header (every speccompat
 layout), ``manifest.header.json`` (a sharded extraction not merged yet), a ``provenance.json``
 (``{"provenance": {...}}`` or the provenance itself: for layouts that keep their metadata there), or
-speculators' own ``data_config.json`` (``hidden_states.layer_ids``). :data:`LAYER_READERS` is the
+speculators' own ``data_config.json`` (``hidden_states.layer_ids``), or the speculators-arrow layout's
+``speccompat_arrow.json``. :data:`LAYER_READERS` is the
 list tried in order; a layout with its own metadata file adds its reader there.
 """
 
@@ -107,6 +108,22 @@ def _provenance_json(ds: Path) -> DatasetLayers | None:
     return _from_provenance(obj.get("provenance", obj) if isinstance(obj, dict) else None, path)
 
 
+def _arrow_info(ds: Path) -> DatasetLayers | None:
+    """The speculators-arrow layout's ``speccompat_arrow.json`` (the Arrow view without its manifest):
+    its layers ascend and end in the final decoder layer, so that layer + 1 is the layer count."""
+    from .arrow_format import INFO_NAME
+
+    path = ds / INFO_NAME
+    if not path.is_file():
+        return None
+    obj = _read_json(path)
+    try:
+        ids = [int(r["layer"]) for r in obj["layers"]]
+    except (KeyError, TypeError, ValueError):
+        raise BadInput(f"{path}: no layers[].layer") from None
+    return DatasetLayers(ids, ids[-1] + 1 if ids else None, str(path))
+
+
 def _data_config(ds: Path) -> DatasetLayers | None:
     """speculators 0.3/0.4's own ``data_config.json`` (``DataGenerationConfig``): layer ids, and the
     layer count when its ``model.target_model_path`` is a local model directory."""
@@ -135,7 +152,8 @@ def _local_model_layers(model_path: Any) -> int | None:
 
 #: Readers tried in order on a data set's directory: each returns its layers, or None when its
 #: file is absent (and raises :class:`BadInput` when the file is there but unusable).
-LAYER_READERS: list[Callable[[Path], DatasetLayers | None]] = [_manifest_header, _provenance_json, _data_config]
+LAYER_READERS: list[Callable[[Path], DatasetLayers | None]] = [_manifest_header, _provenance_json, _arrow_info,
+                                                                _data_config]
 
 
 def dataset_layers(dataset: Path) -> DatasetLayers:
@@ -147,8 +165,8 @@ def dataset_layers(dataset: Path) -> DatasetLayers:
         found = reader(dataset)
         if found is not None:
             return found
-    raise BadInput(f"{dataset}: no manifest.jsonl, manifest.header.json, provenance.json or data_config.json: "
-                   "nothing says which layers it holds")
+    raise BadInput(f"{dataset}: no manifest.jsonl, manifest.header.json, provenance.json, speccompat_arrow.json "
+                   "or data_config.json: nothing says which layers it holds")
 
 
 @dataclass(frozen=True)

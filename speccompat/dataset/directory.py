@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -260,7 +261,10 @@ class DatasetDir:
                 os.replace(self.path(n), trash / n)
         fsync_dir(self.root)
         for p in trash.iterdir():
-            os.unlink(p)
+            if p.is_dir() and not p.is_symlink():  # a layout's folder (speculators-arrow: hidden_states/)
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
         trash.rmdir()
         fsync_dir(self.root)
 
@@ -349,18 +353,16 @@ def _verify_contents(name: str, entry: dict[str, Any], layout: Any, meta: dict[s
     hidden = prov["model"]["hidden_size"]
     n = entry["num_tokens"]
     st_dtype = DTYPES[prov["hidden_states"]["dtype"]][1]
-    expected = {"input_ids": [n], **{f"hidden_states_{i}": [n, hidden] for i in layer_ids}}
-    if "loss_mask" in entry["tensors"] or "loss_mask" in tensors:
-        expected["loss_mask"] = [n]
+    expected = layout.expected_tensors(n, layer_ids, hidden, "loss_mask" in entry["tensors"] or "loss_mask" in tensors)
     if set(tensors) != set(expected):
         p.append(f"{name}: tensors {sorted(tensors)}, expected {sorted(expected)}")
     torch_of = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     for t, (dtype, shape, buf) in sorted(tensors.items()):
         if t in expected and shape != expected[t]:
             p.append(f"{name}: {t} has shape {shape}, expected {expected[t]}")
-        if t.startswith("hidden_states_") and dtype != st_dtype:
+        if t.startswith("hidden_states") and dtype != st_dtype:
             p.append(f"{name}: {t} is {dtype}, the data set stores {st_dtype}")
-        if t.startswith("hidden_states_") and dtype in torch_of and len(buf) % torch_of[dtype].itemsize == 0 \
+        if t.startswith("hidden_states") and dtype in torch_of and len(buf) % torch_of[dtype].itemsize == 0 \
                 and len(buf):
             x = _frombuffer(buf, torch_of[dtype])
             if not bool(torch.isfinite(x).all()):
@@ -375,10 +377,10 @@ def _verify_contents(name: str, entry: dict[str, Any], layout: Any, meta: dict[s
     if ids is not None:
         mask = ints("loss_mask")
         if input_digest(ids, mask) != entry["input_sha256"] and not (
-                layout.name == "speculators" and input_digest(ids, None) == entry["input_sha256"]
+                layout.name != "safetensors" and input_digest(ids, None) == entry["input_sha256"]
                 and set(mask or []) <= {1}):
             p.append(f"{name}: input_ids/loss_mask do not hash to the manifest's input_sha256")
-    if layout.name == "safetensors":
+    if layout.suffix == ".safetensors":  # the layouts whose files carry their provenance
         raw = meta.get("speccompat_provenance")
         fprov: Any = None
         if raw is None:

@@ -56,9 +56,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prepared-data", required=True, type=Path,
                     help='JSONL from prepare_data.py: {"id", "input_ids", "loss_mask"?} per line')
     ap.add_argument("--output-dir", required=True, type=Path, help="the data set; re-running resumes")
-    ap.add_argument("--format", choices=("safetensors", "speculators"), default="safetensors",
+    ap.add_argument("--format", choices=("safetensors", "speculators", "speculators-arrow"), default="safetensors",
                     help="safetensors: <id>.safetensors per sample; speculators: data_<i>.pt and "
-                         "data_config.json as speculators' own data_generation_offline.py writes them")
+                         "data_config.json as speculators' own data_generation_offline.py writes them "
+                         "(speculators 0.3/0.4); speculators-arrow: the Arrow dataset + hidden_states/hs_<row>"
+                         ".safetensors speculators >= 0.5 trains on (layers ascending, the last the final "
+                         "layer; needs speccompat[arrow])")
     ap.add_argument("--batch-size", type=positive_int, default=2, help="sequences per generate() call")
     ap.add_argument("--max-seq-len", type=positive_int, default=2048,
                     help="longest sequence kept whole (the engine gets max_model_len = this + 1)")
@@ -251,6 +254,7 @@ def check_settings(cfg: ExtractConfig) -> Any:
     """:func:`preflight` on the model's config.json, and the layer ids against its layers; raises
     ``Rejected`` naming every problem. Returns ``(ModelInfo, layer ids)``."""
     from speccompat.dataset import Rejected, read_model_info
+    from speccompat.dataset.formats import layout_named
     from speccompat.layers import LayerIdsError, _config_dict, resolve_layer_ids
 
     info = read_model_info(cfg.model_path)
@@ -261,6 +265,11 @@ def check_settings(cfg: ExtractConfig) -> Any:
     except LayerIdsError as exc:
         problems.append(f"--layer-ids: {exc}")
         layer_ids = []
+    if layer_ids:
+        try:  # a layout refuses a layer set it cannot store (speculators-arrow: also without datasets/pyarrow)
+            layout_named(cfg.format, layer_ids, info.num_layers)
+        except Rejected as exc:
+            problems.append(str(exc))
     if problems:
         raise Rejected("the settings do not fit the model (nothing was started or written):\n  "
                        + "\n  ".join(problems))

@@ -57,7 +57,8 @@ def finish_dataset(ddir: DatasetDir, manifest: Manifest | None = None, *, sample
     side = [ddir.path(n) for n in layout.side_files]
     if not side:
         return False
-    if not changed and all(os.path.lexists(p) for p in side) and freq_path.exists():
+    if not changed and all(os.path.lexists(p) for p in side) \
+            and (freq_path.exists() or not layout.token_freq_beside):
         logger.info("no sample was written: the side files of %s stay as they are", ddir)
         return False
     entries = sorted(manifest.entries.values(), key=lambda e: (e["line"], e["id"]))

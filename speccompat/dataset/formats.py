@@ -9,6 +9,8 @@ by :func:`encode_safetensors` straight from tensor memory (header + raw buffers,
 ``scripts/data_generation_offline.py`` writes with ``torch.save``: ``{"input_ids": LongTensor[n],
 "hidden_states": [Tensor[n, hidden], ...], "loss_mask": LongTensor[n]}`` (all ones when the input
 has no mask), read by ``speculators.train.data.Eagle3SampleFileDataset`` unchanged.
+
+``speculators-arrow``: what speculators >= 0.5 trains on (:mod:`speccompat.dataset.arrow_format`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ _ST_NAME = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I6
             "uint8": "U8", "float64": "F64"}
 SAFETENSORS, SPECULATORS = "safetensors", "speculators"
 #: the layouts this version writes and reads
-LAYOUTS = (SAFETENSORS, SPECULATORS)
+ARROW = "speculators-arrow"
+LAYOUTS = (SAFETENSORS, SPECULATORS, ARROW)
 
 
 def tensor_buffer(t: Any) -> memoryview:
@@ -138,6 +141,8 @@ class Layout:
     suffix = ".safetensors"
     #: files a data set of this layout has besides the samples and the manifest
     side_files: tuple[str, ...] = ()
+    #: whether :meth:`finalize` writes the token-frequency file at ``token_freq_path`` (beside the directory)
+    token_freq_beside = False
 
     def file_name(self, sample_id: str, index: int) -> str:
         return name_for_id(sample_id, self.suffix)
@@ -155,11 +160,21 @@ class Layout:
                   for i, h in zip(layer_ids, hidden_states, strict=True)]
         return named
 
+    def expected_tensors(self, n: int, layer_ids: list[int], hidden: int, has_mask: bool) -> dict[str, list[int]]:
+        """Tensor name -> shape of a sample of ``n`` tokens (what verify checks a file against)."""
+        return {"input_ids": [n], **({"loss_mask": [n]} if has_mask else {}),
+                **{f"hidden_states_{i}": [n, hidden] for i in layer_ids}}
+
     def encode(self, named: list[tuple[str, Any]], metadata: dict[str, str]) -> Encoded:
         return encode_safetensors(named, metadata)
 
     def read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
         return read_safetensors(path)
+
+    def derived_names(self, root: Path) -> set[str]:
+        """The names in the directory ``root`` that the layout's side files occupy (what verify knows
+        and ``--overwrite`` removes besides the samples and the manifest)."""
+        return set(self.side_files)
 
     def finalize(self, ddir: Any, entries: list[dict[str, Any]], *, token_freq: Any, token_freq_path: Path,
                  info: dict[str, Any]) -> None:
@@ -176,6 +191,7 @@ class SpeculatorsLayout(Layout):
     name = SPECULATORS
     suffix = ".pt"
     side_files = ("data_config.json", "sample_lengths.json")
+    token_freq_beside = True
 
     def file_name(self, sample_id: str, index: int) -> str:
         return f"data_{index}.pt"
@@ -231,11 +247,17 @@ class SpeculatorsLayout(Layout):
         write_side_files(ddir, entries, token_freq=token_freq, token_freq_path=token_freq_path, info=info)
 
 
-def layout_named(name: str, layer_ids: list[int] | None = None) -> Layout:
+def layout_named(name: str, layer_ids: list[int] | None = None, num_layers: int | None = None) -> Layout:
+    """The layout ``name``; ``num_layers`` (the model's decoder layers) lets a layout refuse a layer
+    set it cannot store faithfully."""
+    if name == ARROW:
+        from .arrow_format import layout
+
+        return layout(layer_ids, num_layers)
     if name == SAFETENSORS:
         return Layout()
     if name == SPECULATORS:
         lay = SpeculatorsLayout()
         lay.layer_ids = list(layer_ids or [])  # type: ignore[attr-defined]
         return lay
-    raise ValueError(f"unknown layout {name!r} (known: {SAFETENSORS}, {SPECULATORS})")
+    raise ValueError(f"unknown layout {name!r} (known: {', '.join(LAYOUTS)})")

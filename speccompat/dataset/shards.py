@@ -45,7 +45,7 @@ from .fsutil import LOCK_NAME, fsync_dir, human
 from .inputs import Sample
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .store import OpenDataset, differences, expected_bytes, refuse_differences, run_facts, run_info
-from .verify import verify_dataset
+from .verify import check_view, verify_dataset
 
 __all__ = ["HEADER_NAME", "PART_RE", "ShardSpec", "check_inputs", "find_parts", "merge_dataset", "open_shard",
            "part_name", "resolve_shard", "shard_of"]
@@ -407,8 +407,8 @@ def main(args: Any) -> int:
             return EXIT_REJECTED
         print(f"merge {out_dir}: {len(res.parts)} part(s) joined, {res.entries} entries", file=sys.stderr)
         n = res.entries
-        if not args.no_verify:
-            found, n = verify_dataset(out_dir, args.threads)
+        if not args.no_verify:  # the files; a layout's derived files once they are built
+            found, n = verify_dataset(out_dir, args.threads, view=False)
             problems += found
         samples = None
         if args.inputs is not None:
@@ -418,8 +418,14 @@ def main(args: Any) -> int:
             m = DatasetDir(out_dir).manifest()
             samples = _scan_as_run(m.provenance or {}, args.inputs, args.limit).samples
         if not problems:
-            _finish(out_dir, samples, args.token_freq_path,
-                    {"train_data_path": str(args.inputs)} if args.inputs is not None else {})
+            try:
+                _finish(out_dir, samples, args.token_freq_path,
+                        {"train_data_path": str(args.inputs)} if args.inputs is not None else {})
+            except Rejected as exc:  # a file the layout's side files are built from is not as recorded
+                problems.append(str(exc))
+        if not problems and not args.no_verify:
+            ddir = DatasetDir(out_dir)
+            problems += check_view(ddir, ddir.manifest())
     except Rejected as exc:
         print(f"merge {out_dir}: {exc}", file=sys.stderr)
         return EXIT_REJECTED

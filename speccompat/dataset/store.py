@@ -107,7 +107,7 @@ def run_facts(ddir: DatasetDir, provenance: dict[str, Any]) -> tuple[list[int], 
     is known to be usable."""
     hs = provenance["hidden_states"]
     layer_ids, dtype = list(hs["layer_ids"]), hs["dtype"]
-    layout = layout_named(provenance["layout"], layer_ids)
+    layout = layout_named(provenance["layout"], layer_ids, provenance["model"].get("num_hidden_layers"))
     ddir.ensure()
     return layer_ids, dtype, int(provenance["model"]["hidden_size"]), layout
 
@@ -177,7 +177,8 @@ def _open_locked(ddir: DatasetDir, layout: Layout, samples: list[Sample], proven
             logger.warning("%s: dropped (its sample is redone)", problem)
     ids = {s.id for s in samples}
     stored = {e["id"]: [e] for e in manifest.entries.values()}
-    sample_names = [n for n in ddir.names() if layout.is_sample_file(n) or n in ("index.jsonl", *layout.side_files)
+    derived = layout.derived_names(out_dir)
+    sample_names = [n for n in ddir.names() if layout.is_sample_file(n) or n in ("index.jsonl", *derived)
                     or n == MANIFEST_NAME]
     if manifest.header is None and not manifest.header_problem:
         strays = [n for n in sample_names if n != MANIFEST_NAME]

@@ -27,11 +27,20 @@ from .formats import layout_named
 from .fsutil import LOCK_NAME, TMP_SUFFIX
 from .manifest import MANIFEST_NAME
 
-__all__ = ["add_parser", "main", "verify_dataset"]
+__all__ = ["add_parser", "check_view", "main", "verify_dataset"]
 
 
-def verify_dataset(out_dir: Path, threads: int = 4) -> tuple[list[str], int]:
-    """(problems, number of entries checked)."""
+def check_view(ddir: DatasetDir, m: Any, layout: Any = None) -> list[str]:
+    """Problems of a layout's derived files (speculators-arrow: the trainer's view); none for a
+    layout without. ``layout``: the manifest's when not given."""
+    if layout is None:
+        layout = layout_named(m.header["layout"], m.provenance["hidden_states"]["layer_ids"])
+    return layout.check_view(ddir.root, m) if hasattr(layout, "check_view") else []
+
+
+def verify_dataset(out_dir: Path, threads: int = 4, *, view: bool = True) -> tuple[list[str], int]:
+    """(problems, number of entries checked). ``view`` False leaves a layout's derived files
+    unchecked (a merge checks them once it has built them)."""
     ddir = DatasetDir(out_dir)
     m = ddir.manifest()
     problems = list(m.problems)
@@ -55,7 +64,9 @@ def verify_dataset(out_dir: Path, threads: int = 4) -> tuple[list[str], int]:
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for res in pool.map(check, entries):
             problems += res
-    known = {MANIFEST_NAME, LOCK_NAME, *m.entries, *layout.side_files}
+    if view:
+        problems += check_view(ddir, m, layout)
+    known = {MANIFEST_NAME, LOCK_NAME, *m.entries, *layout.derived_names(ddir.root)}
     for name in ddir.names():
         if name not in known:
             kind = "temporary file of an interrupted run" if name.endswith(TMP_SUFFIX) else "not in the manifest"

@@ -186,7 +186,7 @@ class DatasetWriter:
             src = {h.dtype for h in job.hidden_states}
             if src != {self.dtype}:  # a cast may overflow (float32 -> float16): check what is stored
                 for name, t in named:
-                    if name.startswith("hidden_states_") and not bool(torch.isfinite(t).all()):
+                    if name.startswith("hidden_states") and not bool(torch.isfinite(t).all()):
                         raise ValueError(f"id {job.sample.id!r}: {name} has values that do not fit "
                                          f"{self.dtype} (non-finite after the cast)")
         enc = self.layout.encode(named, job.metadata)

@@ -1,0 +1,180 @@
+"""``speccompat export DATASET --to LAYOUT OUT``: convert a finished data set to another layout, offline.
+
+Streams over the source's samples in input order (each file read once, memory-mapped, checked
+against its manifest checksums; at most ``max_in_flight_bytes`` of samples in memory), writes them
+through the same writer as an extraction (atomic files, checksums, provenance), builds the layout's
+side files, then verifies the result. The new provenance is the source's with the new layout and
+``exported_from`` (the source's path, layout and provenance digest). A conversion that would lose
+or misnumber a layer is refused before anything is written, naming the layer: to
+``speculators-arrow`` the layers are stacked ascending and the last must be the final decoder layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import provenance as prov_mod
+from .checksum import digest_fn
+from .directory import DatasetDir
+from .errors import DatasetError, Rejected
+from .formats import SAFETENSORS, SPECULATORS, layout_named
+from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
+from .reader import decode_sample, tensor_from
+
+__all__ = ["EXPORT_FORMATS", "add_parser", "export_dataset", "main"]
+
+logger = logging.getLogger("speccompat.dataset")
+
+#: --to name -> layout name
+EXPORT_FORMATS = {"speculators-arrow": "speculators-arrow", "speculators-0.4": SPECULATORS, "safetensors": SAFETENSORS}
+
+
+def _plan_layers(layer_ids: list[int], num_layers: int | None, layout: str) -> list[int]:
+    """The target's layer order; :class:`Rejected` naming the layer when none is faithful."""
+    if len(set(layer_ids)) != len(layer_ids):
+        raise Rejected(f"the source stores layer(s) {sorted({i for i in layer_ids if layer_ids.count(i) > 1})} "
+                       "more than once")
+    if layout != "speculators-arrow":
+        return list(layer_ids)
+    from .arrow_format import check_layers
+
+    ordered = sorted(layer_ids)
+    if num_layers is None:
+        raise Rejected("the source's provenance lacks model.num_hidden_layers: cannot tell whether its last "
+                       f"layer {ordered[-1]} is the final decoder layer the trainer needs")
+    check_layers(ordered, num_layers)
+    return ordered
+
+
+class _Sample:
+    """What the writer needs of a sample."""
+
+    def __init__(self, entry: dict[str, Any], input_ids: list[int], loss_mask: list[int] | None) -> None:
+        self.id, self.line = entry["id"], entry.get("line", 0)
+        self.input_ids, self.loss_mask = input_ids, loss_mask
+        self.truncated_from = entry.get("truncated_from")
+        self.digest = entry["input_sha256"]  # checked against the ids and mask by verify
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, layer_ids: list[int]
+                 ) -> tuple[_Sample, dict[int, Any]]:
+    from .inputs import input_digest
+
+    path = src / entry["file"]
+    try:
+        _meta, raw, keep = layout.read(path)
+    except (OSError, ValueError) as exc:
+        raise Rejected(f"{path}: unreadable ({exc}); run `speccompat verify {src}`") from None
+    want = entry.get("tensors") or {}
+    for name, (dtype, shape, buf) in raw.items():
+        w = want.get(name) or {}
+        if [dtype, shape] != [w.get("dtype"), w.get("shape")] or digest(buf) != w.get("checksum"):
+            raise Rejected(f"{path}: tensor {name} does not match the manifest; run `speccompat verify {src}`")
+    tensors = {n: tensor_from(*v) for n, v in raw.items()}
+    ids_t, mask_t, layers = decode_sample(layout.name, tensors, layer_ids)
+    ids = ids_t.tolist()
+    mask = mask_t.tolist() if mask_t is not None else None
+    if mask is not None and input_digest(ids, mask) != entry.get("input_sha256") \
+            and input_digest(ids, None) == entry.get("input_sha256") and set(mask) <= {1}:
+        mask = None  # the input had no loss mask; the source layout filled in ones
+    sample = _Sample(entry, ids, mask)
+    sample._keep = keep  # type: ignore[attr-defined]  # the mapping the layer tensors view
+    return sample, dict(zip(layer_ids, layers, strict=True))
+
+
+def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_flight_bytes: int = 2 << 30,
+                   progress: bool = True) -> list[str]:
+    """Convert ``src`` to layout ``to`` (a key of :data:`EXPORT_FORMATS`) in the new directory ``out``;
+    returns ``verify``'s problems of the result (empty: intact). Raises :class:`Rejected` before
+    writing anything when the conversion is not possible."""
+    from tqdm import tqdm
+
+    from .store import OpenDataset
+    from .verify import verify_dataset
+
+    src, out = Path(src), Path(out)
+    if to not in EXPORT_FORMATS:
+        raise Rejected(f"unknown format {to!r} (known: {', '.join(EXPORT_FORMATS)})")
+    m = Manifest(src).load()
+    if m.header is None:
+        raise Rejected(f"{src}: no {MANIFEST_NAME} header: not a speccompat data set")
+    if m.problems:
+        raise Rejected(f"{src}: {m.problems[0]}; run `speccompat verify {src}`")
+    prov = m.provenance or {}
+    src_layer_ids = list(prov["hidden_states"]["layer_ids"])
+    src_layout = layout_named(m.header["layout"], src_layer_ids)
+    target = EXPORT_FORMATS[to]
+    num_layers = prov.get("model", {}).get("num_hidden_layers")
+    layer_ids = _plan_layers(src_layer_ids, num_layers, target)
+    if out.exists() and any(out.iterdir()):
+        raise Rejected(f"{out} exists and is not empty: export writes a new data set")
+    ddir = DatasetDir(out)
+    ddir.ensure()
+    with ddir.lock():
+        new_prov = copy.deepcopy(prov)
+        new_prov["layout"] = target
+        new_prov["hidden_states"]["layer_ids"] = layer_ids
+        new_prov["exported_from"] = {"path": str(src.resolve()), "layout": m.header["layout"],
+                                     "provenance_sha256": m.header.get("provenance_sha256") or prov_mod.digest(prov),
+                                     "entries": len(m.entries)}
+        layout = layout_named(target, layer_ids, num_layers)
+        manifest = Manifest(out)
+        manifest.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": target, "checksum": m.header["checksum"],
+                           "provenance": new_prov, "provenance_sha256": prov_mod.digest(new_prov)}
+        manifest.rewrite()
+        entries = sorted(m.entries.values(), key=lambda e: (e.get("line", 0), str(e["id"])))
+        files: dict[str, str] = {}
+        ds = OpenDataset(out, layout, manifest, new_prov, [], [], files, 0, layer_ids, prov["hidden_states"]["dtype"],
+                         int(prov["model"]["hidden_size"]))
+        digest = digest_fn(m.header["checksum"])
+        logger.info("export %s (%s, %d samples) -> %s (%s, layers %s)", src, m.header["layout"], len(entries), out,
+                    target, layer_ids)
+        with ds.writer(threads=threads, max_in_flight_bytes=max_in_flight_bytes, check_cast=False) as w:
+            for k, e in enumerate(tqdm(entries, desc=f"export {src.name} -> {to}", unit="sample",
+                                       disable=not progress)):
+                sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids)
+                files[sample.id] = layout.file_name(sample.id, k)
+                w.submit([ds.job(sample, [by_layer[i] for i in layer_ids])])
+        ds.finish()  # the one finish path (the token frequencies are counted from the written files)
+    problems, n = verify_dataset(out, threads)
+    logger.info("export %s: %d samples written and verified, %d problem(s)", out, n, len(problems))
+    return problems
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    e = sub.add_parser("export", help="convert a data set to another layout offline (no GPU), then verify it "
+                       "(exit 0 intact, 1 problems found, 2 refused)")
+    e.add_argument("dataset", type=Path, help="the source data set's directory (holds manifest.jsonl)")
+    e.add_argument("--to", required=True, choices=sorted(EXPORT_FORMATS),
+                   help="speculators-arrow: speculators >= 0.5 (Arrow + hidden_states/hs_<row>.safetensors); "
+                        "speculators-0.4: data_<i>.pt for 0.3/0.4; safetensors: speccompat's default")
+    e.add_argument("out", type=Path, help="the new data set's directory (must not exist, or be empty)")
+    e.add_argument("--threads", type=int, default=4, help="files written and verified in parallel")
+    e.add_argument("--max-in-flight-bytes", type=int, default=2 << 30,
+                   help="bound on the samples held in memory while they are written")
+    return e
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        problems = export_dataset(args.dataset, args.to, args.out, threads=args.threads,
+                                  max_in_flight_bytes=args.max_in_flight_bytes)
+    except Rejected as exc:
+        print(f"export {args.dataset}: {exc}", file=sys.stderr)
+        return 2
+    except DatasetError as exc:
+        print(f"export {args.dataset}: {exc}", file=sys.stderr)
+        return exc.exit_status
+    for line in problems:
+        print(f"{args.out}/{line}")
+    print(f"export {args.dataset} -> {args.out} ({args.to}): {len(problems)} problem(s)", file=sys.stderr)
+    return 1 if problems else 0
