@@ -82,7 +82,7 @@ def _rows(**row):
         ({"schema": 2}, "schema: 1"),
         (_rows(status="works"), "status 'works' not in"),
         (_rows(adapter="vllm_9_9_9"), "adapter 'vllm_9_9_9' does not exist"),
-        (_rows(status="supported"), "supported without cpu-e2e/gpu-e2e evidence"),
+        (_rows(status="supported"), "supported without current cpu-e2e/gpu-e2e evidence"),
         (_rows(evidence=[{"kind": "vibes", "date": "2026-11-29"}]), "kind must be one of"),
         (_rows(evidence=[{"kind": "static", "date": "yesterday"}]), "date must be YYYY-MM-DD"),
         (_rows(vllm="0.31.0"), r"row 0 \(speculators 0.4.0.1, vLLM 0.31.0\): names a version not listed"),

