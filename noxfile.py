@@ -108,11 +108,13 @@ def sweep(session: nox.Session) -> None:
     args, keep, drop = _own(session)
     args = [a for a in args if a not in parts]
     session.log(f"part {k}/{n}: {', '.join(mine) or 'nothing'}")
+    from nox.command import CommandFailed
+
     failed = []
     for vllm in mine:
         try:
             _run_cpu_e2e(session, vllm, args, keep=keep or vllm == DEFAULT, drop_wheels=drop)
-        except nox.command.CommandFailed:
+        except CommandFailed:
             failed.append(vllm)
     session.run("python3", "-m", "speccompat.matrix", "--write", external=True)
     if failed:
