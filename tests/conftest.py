@@ -4,6 +4,11 @@ Unit tests run anywhere (no torch, no vLLM). Tests marked ``engine`` need an env
 ``scripts/mkenv.py`` (it writes ``speccompat-env.json`` into the venv): they are skipped elsewhere,
 with that reason. ``SPECCOMPAT_TEST_NO_APPLY=1`` starts every engine without ``speccompat.apply()``,
 to show that the engine tests fail without it.
+
+Tests marked ``engine_full`` repeat, with engines of their own, what the gate proves another way
+(e.g. speculators releases whose extraction modules are byte-identical to a neighbour's, checked
+by hash) or scenarios whose parts the gate covers in one chain: they are deselected unless
+``--engine-full`` is given (``nox -s engine_full``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,21 @@ ENGINE_ENV = json.loads(ENV_FILE.read_text()) if ENV_FILE.exists() else None
 NO_APPLY = os.environ.get("SPECCOMPAT_TEST_NO_APPLY") == "1"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--engine-full", action="store_true",
+                     help="also run the tests marked engine_full (what nox -s engine_full runs)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "engine_full: leaves the gate (scripts/test); runs with --engine-full")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--engine-full"):
+        full = [item for item in items if "engine_full" in item.keywords]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if "engine_full" not in item.keywords]
     if ENGINE_ENV is not None:
         return
     skip = pytest.mark.skip(

@@ -82,7 +82,7 @@ def _rows(**row):
         ({"schema": 2}, "schema: 1"),
         (_rows(status="works"), "status 'works' not in"),
         (_rows(adapter="vllm_9_9_9"), "adapter 'vllm_9_9_9' does not exist"),
-        (_rows(status="supported"), "supported without cpu-e2e/gpu-e2e evidence"),
+        (_rows(status="supported"), "supported without current cpu-e2e/gpu-e2e evidence"),
         (_rows(evidence=[{"kind": "vibes", "date": "2026-11-29"}]), "kind must be one of"),
         (_rows(evidence=[{"kind": "static", "date": "yesterday"}]), "date must be YYYY-MM-DD"),
         (_rows(vllm="0.31.0"), r"row 0 \(speculators 0.4.0.1, vLLM 0.31.0\): names a version not listed"),
@@ -91,3 +91,96 @@ def _rows(**row):
 def test_schema_violations_name_the_row_and_field(data, match):
     with pytest.raises(matrix.MatrixError, match=match):
         matrix.parse(yaml.safe_load(yaml.safe_dump(data)))
+
+
+# ------------------------------------------------------------------------------- stale evidence
+
+
+def test_every_speccompat_module_is_classified_on_or_off_the_capture_path():
+    """A new module must be put on HOT_PATH (its changes make evidence stale) or OFF_PATH."""
+    names = {p.name for p in (REPO / "speccompat").glob("*.py")}
+    assert not set(matrix.HOT_PATH) & set(matrix.OFF_PATH)
+    assert set(matrix.HOT_PATH) | set(matrix.OFF_PATH) == names
+    files = matrix.hot_path_files(REPO)
+    assert "speccompat/capture.py" in files and "adapters/vllm_0_29_0.py" in files and "speccompat/cli.py" not in files
+
+
+def test_stored_capture_path_state_is_current():
+    """evidence/hot_path.json (what the stale rule needs where git is missing) is the current code's."""
+    stored = json.loads((REPO / matrix.HOT_PATH_FILE).read_text())
+    assert stored == matrix.hot_path_state(REPO)
+
+
+def test_no_stale_cell_is_shown_as_supported():
+    """Every supported row has an end-to-end run of the current capture path: its recorded hash is
+    today's, or (no hash) it is dated after the capture path's last change."""
+    code = matrix.hot_path_state(REPO)
+    m = matrix.load(str(REPO / "compat_matrix.yaml"))
+    for r in m.rows:
+        runs = [json.loads((REPO / e["ref"]).read_text()) for e in r.evidence if e["kind"] in ("cpu-e2e", "gpu-e2e")]
+        fresh = [run for run in runs if not matrix.is_stale(run, code)]
+        assert (r.status == "supported") == bool(fresh), (r, [run["date"] for run in runs])
+        if runs and not fresh:
+            assert r.status == "stale"
+
+
+def _world(tmp_path, runs: dict[str, dict]) -> Path:
+    """A repository copy with the real capture path and static evidence, and the given cpu runs."""
+    import shutil
+
+    for d in ("speccompat", "adapters"):
+        shutil.copytree(REPO / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "evidence" / "cpu").mkdir(parents=True)
+    shutil.copy(REPO / "evidence" / "static" / "releases.json", (tmp_path / "evidence" / "static").mkdir() or
+                tmp_path / "evidence" / "static" / "releases.json")
+    for name, run in runs.items():
+        (tmp_path / "evidence" / "cpu" / name).write_text(json.dumps(run))
+    return tmp_path
+
+
+def _run(cells, **extra):
+    return {"kind": "cpu-e2e", "vllm": "0.32.0", "date": "2026-12-02", "applied": True, "cells": cells, **extra}
+
+
+def _cell(spec="0.4.0.1", model="llama", outcome="passed", **extra):
+    return {"speculators": spec, "model": model, "test": "parity", "outcome": outcome, **extra}
+
+
+def test_the_stale_rule_on_hashes_dates_and_identical_releases(tmp_path):
+    root = _world(tmp_path / "repo", {})  # no git here: the stored file or today is the last change
+    code = matrix.hot_path_state(root)
+    assert code["sha256"] == matrix.hot_path_sha256(REPO) and code["last_change"] == __import__("datetime").date.today().isoformat()
+    (root / matrix.HOT_PATH_FILE).write_text(json.dumps({**code, "last_change": "2026-12-01"}))
+    assert matrix.hot_path_state(root)["last_change"] == "2026-12-01"  # kept: its hash is the current one
+    runs = {
+        "current.json": _run([_cell(), _cell("0.4.0", test="source-identity", identical_to="0.4.0.1")],
+                             code={"hot_path_sha256": code["sha256"]}),
+        "old-hash.json": _run([_cell("0.3.0")], vllm="0.31.0", code={"hot_path_sha256": "0" * 64}),
+        "same-day.json": _run([_cell("0.3.0")], vllm="0.30.0", date="2026-12-01"),
+        "later.json": _run([_cell("0.3.0")], vllm="0.29.0", date="2026-12-02"),
+        "twin-failed.json": _run([_cell(outcome="failed"), _cell("0.4.0", identical_to="0.4.0.1")], vllm="0.24.0",
+                                 code={"hot_path_sha256": code["sha256"]}),
+    }
+    root = _world(tmp_path / "repo2", runs)
+    (root / matrix.HOT_PATH_FILE).write_text(json.dumps({**code, "last_change": "2026-12-01"}))
+    rows = {(r.speculators, r.vllm): r for r in matrix.generate(root / "evidence").rows}
+    assert rows[("0.4.0.1", "0.32.0")].status == "supported"
+    twin = rows[("0.4.0", "0.32.0")]
+    assert twin.status == "supported" and twin.evidence[-1]["identical_to"] == "0.4.0.1"
+    assert rows[("0.3.0", "0.31.0")].status == "stale"  # another hash
+    assert rows[("0.3.0", "0.30.0")].status == "stale"  # no hash, the day of the last change
+    assert rows[("0.3.0", "0.29.0")].status == "supported"  # no hash, a day after it
+    assert rows[("0.4.0", "0.24.0")].status != "supported"  # the identical release's own run failed
+    assert "twin-failed.json" in rows[("0.4.0", "0.24.0")].note  # the note names the file
+    table = matrix.readme_table(matrix.generate(root / "evidence"))
+    line = next(ln for ln in table.splitlines() if ln.startswith("| 0.31.0 "))
+    assert "stale (cpu-e2e: llama)" in line and "supported" not in line
+    line = next(ln for ln in table.splitlines() if ln.startswith("| 0.32.0 "))
+    assert "(code identical to 0.4.0.1)" in line
+
+
+def test_a_stale_row_claiming_supported_is_rejected():
+    ev = [{"kind": "cpu-e2e", "date": "2026-11-30", "stale": "true"}]
+    with pytest.raises(matrix.MatrixError, match="supported without current"):
+        matrix.parse(_rows(status="supported", evidence=ev))
+    assert matrix.parse(_rows(status="stale", evidence=ev)).rows[0].status == "stale"

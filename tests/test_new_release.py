@@ -82,6 +82,7 @@ def _tree(tmp: Path) -> Path:
         (repo / "adapters" / f.name).symlink_to(f)
     (repo / "evidence" / "static").mkdir(parents=True)
     shutil.copy(REPO / "evidence" / "static" / "releases.json", repo / "evidence" / "static")
+    shutil.copy(REPO / "evidence" / "hot_path.json", repo / "evidence")
     for sub in ("cpu", "gpu"):
         (repo / "evidence" / sub).symlink_to(REPO / "evidence" / sub)
     (repo / "scripts").mkdir()
@@ -186,5 +187,7 @@ def test_a_new_release_needs_one_adapter_module_and_its_evidence(tmp_path):
     assert (repo / "speccompat" / "compat_matrix.yaml").resolve() == (repo / "compat_matrix.yaml").resolve()
     changed = {str(p) for p in after.keys() | before.keys() if before.get(p) != after.get(p)}
     changed.discard("speccompat/compat_matrix.yaml")  # the packaged copy is the root file (a link)
-    assert changed == {"adapters/vllm_0_34_0.py", "evidence/static/releases.json", "compat_matrix.yaml", "README.md"}
+    # a new adapter is new capture code: its record changes, and the runs of older code are stale
+    assert changed == {"adapters/vllm_0_34_0.py", "evidence/static/releases.json", "compat_matrix.yaml", "README.md",
+                       "evidence/hot_path.json"}
     assert filecmp.cmp(repo / "noxfile.py", REPO / "noxfile.py", shallow=False)

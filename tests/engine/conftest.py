@@ -2,7 +2,13 @@
 
 Each engine is a :class:`speccompat.testing.client.EngineHost` (its own process, so several
 speculators versions can be tested in one session); at most ``MAX_ALIVE`` run at once (CPU memory),
-least recently used first out. Checkpoints and transformers references are built once per session.
+least recently used first out. Checkpoints and transformers references (per sequence and layers)
+are built once per session.
+
+A test that uses the pool says which engine with ``@pytest.mark.pool(...)`` (keywords
+``speculators``, ``kind``, ``variant``; the first two default to the test's parameters of those
+names, then to 0.4.0.1 and llama): the tests of one engine run one after the other, so that each
+engine starts once. The terminal summary counts the engines the pool started.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import ENGINE_ENV, NO_APPLY
 
-from speccompat.matrix import known_speculators
+from speccompat.matrix import code_record, known_speculators
 
 #: The speculators versions the matrix speaks about (the one list, from the static evidence).
 SPECULATORS = tuple(known_speculators())
@@ -25,6 +31,8 @@ KINDS = ("llama", "deepseek_v3", "kimi_k25")
 #: EAGLE-3 style: an early, two middle and the last decoder layer (6-layer tiny models).
 LAYER_IDS = [0, 2, 4, 5]
 MAX_ALIVE = 2
+#: (speculators, kind, variant) of every engine the pool started this session, in order.
+STARTS: list[tuple] = []
 #: Tensor-parallel size and model runner of the engines (set by scripts/gpu/device_run.sh).
 TEST_TP = int(os.environ.get("SPECCOMPAT_TEST_TP", "1"))
 TEST_RUNNER = os.environ.get("SPECCOMPAT_TEST_RUNNER", "default")
@@ -62,6 +70,19 @@ def skip_unless_model_runs(kind: str) -> None:
                         f"environment has transformers {transformers.__version__}")
         if importlib.util.find_spec("vllm.model_executor.models.kimi_k25") is None:
             pytest.skip(f"vLLM {ENGINE_ENV['vllm']} has no KimiK25ForConditionalGeneration")
+
+
+def line_head(version: str) -> str:
+    """The newest of SPECULATORS on ``version``'s major.minor line (speccompat patches by line)."""
+    from packaging.version import Version
+
+    v = Version(version)
+    return max((s for s in SPECULATORS if Version(s).release[:2] == v.release[:2]), key=Version)
+
+
+#: Older releases of a speculators line -> the line's newest release, whose engines prove them when
+#: their extraction code is byte-identical (test_parity's source-identity check); else engine_full.
+SAME_LINE = {s: line_head(s) for s in SPECULATORS if line_head(s) != s}
 
 
 def mixed_sequences(n: int, seed: int, lo: int = 20, hi: int = 600, vocab: int = 512) -> list[list[int]]:
@@ -105,6 +126,9 @@ class EnginePool:
         config.setdefault("gpu_memory_utilization", 0.1)
         config.setdefault("tp", TEST_TP)
         self.count += 1
+        if start:
+            STARTS.append((speculators, kind, json.dumps({**config, **(overrides or {}), **(env or {})},
+                                                         sort_keys=True)))
         host = EngineHost(
             self.checkpoint(kind, **(overrides or {})),
             list(layer_ids),
@@ -133,6 +157,24 @@ def engines(tmp_path_factory):
     pool.close()
 
 
+class CachedReference:
+    """A :class:`~speccompat.testing.reference.ReferenceModel` whose ``hidden_states`` are computed
+    once per (sequence, layers) and session: several tests compare with the same sequences."""
+
+    def __init__(self, model) -> None:
+        self.inner = model
+        self.cache: dict[tuple, list] = {}
+
+    def hidden_states(self, token_ids, layer_ids):
+        key = (tuple(token_ids), tuple(layer_ids))
+        if key not in self.cache:
+            self.cache[key] = self.inner.hidden_states(token_ids, layer_ids)
+        return [h.clone() for h in self.cache[key]]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 @pytest.fixture(scope="session")
 def references(engines):
     """kind -> (fp32 reference, bf16 reference) on the session's checkpoint."""
@@ -144,13 +186,56 @@ def references(engines):
         key = kind + json.dumps(overrides, sort_keys=True)
         if key not in cache:
             path = str(engines.checkpoint(kind, **overrides))
-            cache[key] = (ReferenceModel(path, "float32"), ReferenceModel(path, "bfloat16"))
+            cache[key] = (CachedReference(ReferenceModel(path, "float32")),
+                          CachedReference(ReferenceModel(path, "bfloat16")))
         return cache[key]
 
     return get
 
 
+def pool_key(item) -> tuple | None:
+    """(speculators, kind, variant) of the pool engine a test declares with ``pool``, else None."""
+    mark = item.get_closest_marker("pool")
+    if mark is None:
+        return None
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    return (mark.kwargs.get("speculators", params.get("speculators", "0.4.0.1")),
+            mark.kwargs.get("kind", params.get("kind", "llama")), mark.kwargs.get("variant", ""))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "pool(speculators, kind, variant): the shared engine a test uses; "
+                            "the tests of one engine run together")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests of one pool engine run one after the other, where the first of them was; all other
+    tests keep their order (module fixtures stay together)."""
+    groups: dict[tuple, list] = {}
+    for item in items:
+        key = pool_key(item)
+        if key is not None:
+            groups.setdefault(key, []).append(item)
+    ordered, done = [], set()
+    for item in items:
+        key = pool_key(item)
+        if key is None:
+            ordered.append(item)
+        elif key not in done:
+            done.add(key)
+            ordered += groups[key]
+    items[:] = ordered
+
+
+def pytest_terminal_summary(terminalreporter):
+    if STARTS:
+        terminalreporter.write_line(f"engine pool: {len(STARTS)} engine start(s), "
+                                    f"{len(set(STARTS))} distinct engine configuration(s)")
+
+
 EVIDENCE: list[dict] = []
+#: The code the engines run (read at the start: what this session's engines loaded).
+CODE = code_record(Path(__file__).resolve().parents[2])
 
 
 @pytest.fixture
@@ -188,6 +273,7 @@ def write_evidence() -> None:
         "runner": TEST_RUNNER,
         "date": datetime.date.today().isoformat(),
         "applied": not NO_APPLY,
+        "code": CODE,  # the capture path it ran (speccompat.matrix: a later change makes its cells stale)
         **({"engine_env": ENGINE_ENV["engine_env"]} if ENGINE_ENV.get("engine_env") else {}),
         "cells": EVIDENCE,
     }

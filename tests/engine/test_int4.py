@@ -75,6 +75,7 @@ def _int4_reason() -> str | None:
             "GPU run (scripts/gpu/device_run.sh kimi) covers it")
 
 
+@pytest.mark.pool(kind="kimi_k25", variant="int4")
 @pytest.mark.parametrize("speculators", ["0.3.0", "0.4.0.1"])
 def test_int4_parity_with_transformers(engines, references, record_cell, speculators):
     skip_unless_model_runs("kimi_k25")

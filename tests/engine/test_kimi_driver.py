@@ -12,7 +12,9 @@ changed model, a changed loss_mask, a colliding default of layer ids, unusable o
 ``speccompat verify`` on planted problems), a run that fills its disk (a small tmpfs) mid-run, its
 resume (with a same-size corruption planted in a finished file; the result is byte-identical to
 the uninterrupted run), a run killed with SIGKILL and its resume (byte-identical too), and a
-``--format speculators`` run read by speculators' own loaders."""
+``--format speculators`` run read by speculators' own loaders. The SIGKILL run is engine_full: the
+gate shows a killed run's resume in test_scale_out's chain and a byte-identical resume here after
+the full disk (four engine starts in the gate)."""
 
 from __future__ import annotations
 
@@ -470,6 +472,7 @@ def test_a_full_disk_mid_run_loses_nothing_and_the_resume_is_byte_identical(shar
     assert verify(out).returncode == 0
 
 
+@pytest.mark.engine_full
 def test_sigkill_then_resume_is_byte_identical_and_rewrites_nothing(shared, tmp_path):
     import signal
 

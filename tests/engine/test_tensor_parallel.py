@@ -15,7 +15,10 @@ pytestmark = pytest.mark.engine
 TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-@pytest.mark.parametrize(("speculators", "kind"), [("0.3.0", "llama"), ("0.4.0.1", "llama"),
+#: The gate runs TP 2 on the model with the most to split (MLA, MoE); Llama on both lines is engine_full.
+@pytest.mark.pool(variant="tp2")
+@pytest.mark.parametrize(("speculators", "kind"), [pytest.param("0.3.0", "llama", marks=pytest.mark.engine_full),
+                                                   pytest.param("0.4.0.1", "llama", marks=pytest.mark.engine_full),
                                                    ("0.4.0.1", "deepseek_v3")])
 def test_tp2_parity_from_one_rank(engines, references, record_cell, speculators, kind):
     import torch
