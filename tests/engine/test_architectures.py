@@ -54,8 +54,8 @@ def write_arch_evidence() -> None:
     tmp.replace(out)
 
 
-@pytest.mark.parametrize("kind", ARCH_KINDS)
 @pytest.mark.parametrize("speculators", ARCH_SPECULATORS)
+@pytest.mark.parametrize("kind", ARCH_KINDS)  # by architecture: one architecture's engines in turn
 def test_architecture_parity_with_transformers(engines, references, speculators, kind):
     from speccompat.testing.client import EngineError
     from speccompat.testing.models import RECIPES
