@@ -37,6 +37,10 @@ __all__ = ["EVIDENCE_KINDS", "STATUSES", "Matrix", "Row", "load"]
 STATUSES = ("supported", "stale", "static", "unsupported")
 EVIDENCE_KINDS = ("static", "cpu-e2e", "gpu-e2e")
 E2E_KINDS = ("cpu-e2e", "gpu-e2e")
+#: Outcomes of an architecture on a release: parity shown, parity not shown, or the engine refused it.
+ARCH_OUTCOMES = ("proven", "stale", "failed", "refused")
+#: evidence/<platform>/architectures-vllm-<V>.json: the architecture runs (kind of such a file).
+ARCH_KIND = "architectures"
 
 
 class MatrixError(ValueError):
@@ -68,10 +72,13 @@ class Row(NamedTuple):
 
 
 class Matrix:
-    def __init__(self, releases: list[str], speculators: list[str], rows: list[Row]) -> None:
+    def __init__(self, releases: list[str], speculators: list[str], rows: list[Row],
+                 architectures: list[dict[str, Any]] | None = None) -> None:
         self.releases = releases
         self.speculators = speculators
         self.rows = rows
+        #: One entry per (architecture, vLLM release, platform): see :func:`architectures`.
+        self.architectures = architectures or []
 
     def to_yaml(self) -> str:
         # Every value is written as JSON (valid YAML flow style), rows one per line, so that
@@ -91,6 +98,9 @@ class Matrix:
             "rows:",
         ]
         out += ["  - " + json.dumps(r.as_dict()) for r in self.rows]
+        out += ["# architectures: per model architecture, vLLM release and platform, the outcome of the parity runs",
+                "# (proven / failed / refused, with the reason) through each speculators version.",
+                "architectures: " + json.dumps(self.architectures)]
         return "\n".join(out) + "\n"
 
 
@@ -149,7 +159,10 @@ def parse(data: Any) -> Matrix:
         if row.status == "static" and "static" not in kinds:
             raise _fail(where, "status static without static evidence")
         rows.append(row)
-    return Matrix([str(r) for r in data["releases"]], [str(s) for s in data["speculators"]], rows)
+    archs = data.get("architectures", [])
+    if not isinstance(archs, list) or not all(isinstance(a, dict) and a.get("outcome") in ARCH_OUTCOMES for a in archs):
+        raise _fail("architectures", f"must be a list of mappings with an outcome in {ARCH_OUTCOMES}")
+    return Matrix([str(r) for r in data["releases"]], [str(s) for s in data["speculators"]], rows, archs)
 
 
 def read(text: str) -> dict[str, Any]:
@@ -239,8 +252,8 @@ def load(path: str | None = None) -> Matrix:
 #: replaces speculators' (generator, capture, transport, layers, errors) and every adapter
 #: (``adapters/``, all of it). A change to any of them can change what a cell's run showed.
 HOT_PATH = ("__init__.py", "_state.py", "adapter.py", "api.py", "capture.py", "detect.py", "errors.py",
-            "generator.py", "importhooks.py", "layers.py", "patches.py", "patching.py", "platform.py",
-            "plugin.py", "probe.py", "registry.py", "stand_ins.py", "transport.py")
+            "generator.py", "importhooks.py", "layers.py", "patches", "patching.py", "platform.py",
+            "plugin.py", "probe.py", "registry.py", "stand_ins.py", "streaming.py", "transport.py")
 #: speccompat modules that do not run during an extraction: reports and the command line, this
 #: matrix, the static probe (static evidence), the scale-out helpers of the example drivers; the data
 #: set library (``dataset/``) and the test harness (``testing/``) are outside too.
@@ -252,7 +265,9 @@ def hot_path_files(root: Any) -> list[str]:
     from pathlib import Path
 
     root = Path(root)
-    files = [f"speccompat/{name}" for name in HOT_PATH]
+    files = [f"speccompat/{name}" for name in HOT_PATH if name.endswith(".py")]
+    for package in (name for name in HOT_PATH if not name.endswith(".py")):  # every module of a package
+        files += [p.relative_to(root).as_posix() for p in (root / "speccompat" / package).glob("*.py")]
     files += sorted(p.relative_to(root).as_posix() for p in (root / "adapters").glob("*.py"))
     return sorted(files)
 
@@ -358,6 +373,8 @@ def generate(evidence_dir: Any) -> Matrix:
         folder = evidence_dir / sub
         runs = [(json.loads(f.read_text()), f) for f in folder.glob("*.json")] if folder.is_dir() else []
         for run, f in sorted(runs, key=lambda rf: (rf[0]["date"], rf[1].name)):
+            if run.get("kind") == ARCH_KIND:  # read by architectures()
+                continue
             if not run.get("applied", True):  # a control run without speccompat proves nothing
                 continue
             ref = {"kind": kind, "date": run["date"], "ref": f.relative_to(evidence_dir.parent).as_posix()}
@@ -407,7 +424,64 @@ def generate(evidence_dir: Any) -> Matrix:
             else:
                 status = "unsupported"
             rows.append(Row(spec, rel, adapter.name(), status, tuple(ev), notes.get((spec, rel), "")))
-    return Matrix(releases, speculators, rows)
+    return Matrix(releases, speculators, rows, architectures(evidence_dir))
+
+
+def architectures(evidence_dir: Any) -> list[dict[str, Any]]:
+    """Per (architecture, vLLM release, platform): proven, failed or refused, from the runs on record.
+
+    The parity runs of the release evidence (``cpu/vllm-<V>.json``: tiny checkpoints by kind) and the
+    architecture files (``<platform>/architectures-vllm-<V>.json``, ``kind: architectures``: cells with
+    ``architecture``, ``outcome`` passed/failed/refused and, for a refusal, ``reason``). An architecture
+    is proven on a release when every speculators version run on it passed there last time, on the
+    current capture code; ``stale`` when they passed but some ran older capture code (:func:`is_stale`).
+    """
+    from pathlib import Path
+
+    evidence_dir = Path(evidence_dir)
+    recipes = _recipe_architectures()
+    code = hot_path_state(evidence_dir.parent)
+    latest: dict[tuple[str, str, str, str], tuple[str, str, str]] = {}
+    for platform in ("cpu", "gpu"):
+        folder = evidence_dir / platform
+        runs = [(json.loads(f.read_text()), f) for f in folder.glob("*.json")] if folder.is_dir() else []
+        for run, f in sorted(runs, key=lambda rf: (rf[0]["date"], rf[1].name)):
+            if not run.get("applied", True):
+                continue
+            ref = f.relative_to(evidence_dir.parent).as_posix()
+            for cell in run["cells"]:
+                arch = cell.get("architecture") or recipes.get(cell["model"])
+                if arch is None or cell.get("test", "parity") != "parity":
+                    continue
+                key = (arch, run["vllm"], platform, cell["speculators"])
+                outcome = cell["outcome"]
+                if outcome == "passed" and is_stale(run, code):
+                    outcome = "passed-stale"
+                latest[key] = (outcome, cell.get("reason", ""), ref)
+    grouped: dict[tuple[str, str, str], list[tuple[str, str, str, str]]] = {}
+    for (arch, rel, platform, spec), (outcome, reason, ref) in latest.items():
+        grouped.setdefault((arch, rel, platform), []).append((spec, outcome, reason, ref))
+    out = []
+    for (arch, rel, platform), cells in sorted(grouped.items(), key=lambda kv: (kv[0][0], Version(kv[0][1]), kv[0][2])):
+        outcomes = {o for _, o, _, _ in cells}
+        outcome = ("refused" if outcomes == {"refused"} else "proven" if outcomes == {"passed"}
+                   else "stale" if outcomes <= {"passed", "passed-stale"} else "failed")
+        entry = {"architecture": arch, "vllm": rel, "platform": platform, "outcome": outcome,
+                 "speculators": sorted({s for s, *_ in cells}, key=Version),
+                 "evidence": sorted({r for *_, r in cells})}
+        reasons = sorted({r for _, o, r, _ in cells if r and o != "passed"})
+        if reasons:
+            entry["reason"] = "; ".join(reasons)
+        out.append(entry)
+    return out
+
+
+def _recipe_architectures() -> dict[str, str]:
+    """Tiny-checkpoint kind -> architecture, for the release evidence (which names the kind only)."""
+    from .testing.models import RECIPES
+
+    return {**{k: r.architecture for k, r in RECIPES.items()},
+            **{f"{k}-int4": r.architecture for k, r in RECIPES.items() if r.vision_config is not None}}
 
 
 README_START = "<!-- matrix-table:start -->"
@@ -455,9 +529,50 @@ def readme_table(m: Matrix) -> str:
     return "\n".join(lines)
 
 
+ARCH_START = "<!-- architectures-table:start -->"
+ARCH_END = "<!-- architectures-table:end -->"
+
+
+def _spans(releases: list[str], known: list[str]) -> str:
+    """Releases as runs of consecutive known releases: ``0.29.0 - 0.32.0 (5 releases), 0.33.0``."""
+    idx = sorted(known.index(r) for r in releases if r in known)
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = [known[r[0]] if len(r) == 1 else f"{known[r[0]]} - {known[r[-1]]} ({len(r)} releases)" for r in runs]
+    return ", ".join(parts + sorted(r for r in releases if r not in known))
+
+
+def architectures_table(m: Matrix) -> str:
+    """The architectures as a Markdown table: per architecture, the releases it is proven on (CPU,
+    GPU) and those where parity failed or the engine refused it (with the reason)."""
+    lines = ["| architecture | proven on CPU | proven on GPU | passed on older capture code (stale) | not proven |",
+             "|---|---|---|---|---|"]
+    for arch in sorted({a["architecture"] for a in m.architectures}):
+        mine = [a for a in m.architectures if a["architecture"] == arch]
+
+        def spans(platform: str, outcome: str, mine: list = mine) -> str:
+            rels = [a["vllm"] for a in mine if a["platform"] == platform and a["outcome"] == outcome]
+            return _spans(rels, m.releases) if rels else ""
+
+        stale = "; ".join(f"{p}: {t}" for p in ("cpu", "gpu") if (t := spans(p, "stale")))
+        other = [f"{a['outcome']} on {a['platform']} {a['vllm']}" + (f": {a['reason']}" if a.get("reason") else "")
+                 for a in mine if a["outcome"] not in ("proven", "stale")]
+        lines.append(f"| {arch} | {spans('cpu', 'proven') or '-'} | {spans('gpu', 'proven') or '-'} | {stale or '-'} "
+                     f"| {'; '.join(other) or '-'} |")
+    return "\n".join(lines)
+
+
 def with_readme_table(readme: str, m: Matrix) -> str:
     start, end = readme.index(README_START) + len(README_START), readme.index(README_END)
-    return readme[:start] + "\n" + readme_table(m) + "\n" + readme[end:]
+    readme = readme[:start] + "\n" + readme_table(m) + "\n" + readme[end:]
+    if ARCH_START in readme:
+        start, end = readme.index(ARCH_START) + len(ARCH_START), readme.index(ARCH_END)
+        readme = readme[:start] + "\n" + architectures_table(m) + "\n" + readme[end:]
+    return readme
 
 
 def main(argv: list[str] | None = None) -> int:

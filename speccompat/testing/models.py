@@ -126,6 +126,93 @@ RECIPES: dict[str, Recipe] = {
     ),
 }
 
+# Qwen3: the Llama shape plus per-head q/k RMSNorm.
+RECIPES["qwen3"] = Recipe(
+    kind="qwen3",
+    architecture="Qwen3ForCausalLM",
+    config={**RECIPES["llama"].config, "model_type": "qwen3"},
+)
+
+# gpt-oss: attention sinks, alternating sliding-window (128) and full attention, biased MoE experts
+# (every token takes all 4 experts: routing cannot flip, routing weights still depend on context).
+# vLLM's gpt-oss RMSNorm has eps 1e-5 written in (it ignores rms_norm_eps): the checkpoint says 1e-5.
+RECIPES["gpt_oss"] = Recipe(
+    kind="gpt_oss",
+    architecture="GptOssForCausalLM",
+    config={
+        **_COMMON,
+        "model_type": "gpt_oss",
+        "rms_norm_eps": 1e-5,
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 3,
+    },
+)
+
+# Mistral: the Llama shape under its own architecture name (no sliding window, as Mistral 7B v0.2+).
+RECIPES["mistral"] = Recipe(
+    kind="mistral",
+    architecture="MistralForCausalLM",
+    config={**RECIPES["llama"].config, "model_type": "mistral", "sliding_window": None},
+)
+
+# Qwen3-MoE: q/k norm and a sparse MoE block in every layer; every token takes all 4 experts (as
+# gpt_oss), so routing cannot flip while its weights still depend on context.
+RECIPES["qwen3_moe"] = Recipe(
+    kind="qwen3_moe",
+    architecture="Qwen3MoeForCausalLM",
+    config={**RECIPES["qwen3"].config, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 4,
+            "moe_intermediate_size": 128, "decoder_sparse_step": 1, "norm_topk_prob": True},
+)
+
+# Gemma 3 (text): sandwich norms, q/k norm, embeddings scaled by sqrt(hidden), sliding-window (128)
+# layers with the last of 6 global.
+RECIPES["gemma3"] = Recipe(
+    kind="gemma3",
+    architecture="Gemma3ForCausalLM",
+    config={
+        **_COMMON,
+        "model_type": "gemma3_text",
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 128,
+        "hidden_activation": "gelu_pytorch_tanh",
+    },
+)
+
+# GLM-4.5 MoE: a dense first layer, then sigmoid-routed experts with a shared expert; every token
+# takes all 4 routed experts (routing cannot flip).
+RECIPES["glm4_moe"] = Recipe(
+    kind="glm4_moe",
+    architecture="Glm4MoeForCausalLM",
+    config={
+        **RECIPES["llama"].config,
+        "model_type": "glm4_moe",
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "num_nextn_predict_layers": 0,
+    },
+)
+
 #: Kimi-K2.5 special tokens (the released tokenizer's names), placed after the word vocabulary so
 #: that random test prompts (ids < VOCAB_SIZE) never contain one.
 KIMI_SPECIAL = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>",

@@ -1,0 +1,126 @@
+"""The serving-path oracle: hidden states as vLLM itself computes them for EAGLE-3.
+
+vLLM's EAGLE-3 serving (and its ``extract_hidden_states`` speculative method) asks the target model
+for auxiliary hidden states: ``SupportsEagle3.set_aux_hidden_state_layers(ids)`` makes the model's
+own forward (``EagleModelMixin._maybe_add_hidden_state`` in ``llama.py``, ``qwen2.py``,
+``gpt_oss.py``, ..., or ``deepseek_v2.py``'s loop) return ``(hidden_states, [aux ...])``, where aux id
+``k`` is the residual stream after ``k`` decoder layers. speccompat's (and speculators 0.3/0.4's)
+layer ``i`` is the output of decoder layer ``i``, so it must equal aux id ``i + 1``.
+
+This module runs a plain vLLM engine (no speculators, no speccompat patches) with a worker
+extension that sets the aux layers through the model's own ``set_aux_hidden_state_layers`` and keeps
+what the model's forward returns: the model code path EAGLE-3 serving runs, without a draft model.
+Each sequence is one prefill (``max_tokens=1``, no prefix caching, no chunking), so a forward's
+first ``len(sequence)`` rows are that sequence's tokens.
+
+    python -m speccompat.testing.serving --model PATH --aux-ids 1 3 5 6 --sequences IN.json --out OUT.pt
+
+``OUT.pt`` holds ``{"aux_ids": [...], "results": [{"input_ids": LongTensor[n],
+"hidden_states": [Tensor[n, H] per aux id]}, ...]}``. The engine's run-to-run noise: ``--repeat 2``
+runs every sequence twice and stores the second pass as ``"repeat"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+__all__ = ["AuxCaptureExtension", "run"]
+
+
+class AuxCaptureExtension:
+    """vLLM worker extension (``worker_extension_cls``): capture the model's own aux hidden states."""
+
+    def speccompat_set_aux_layers(self, aux_ids: list[int]) -> str:
+        import torch
+
+        model = self.model_runner.get_model()
+        model.set_aux_hidden_state_layers(tuple(aux_ids))
+        self._speccompat_aux: list[Any] = []
+        original = model.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], list):
+                hidden, aux = out
+                self._speccompat_aux.append(torch.stack([a.detach().to("cpu", copy=True) for a in aux]))
+                return hidden
+            raise RuntimeError(f"{type(model).__name__}.forward returned {type(out).__name__}, not "
+                               f"(hidden_states, aux_hidden_states) after set_aux_hidden_state_layers({aux_ids})")
+
+        model.forward = forward
+        return type(model).__name__
+
+    def speccompat_take_aux(self) -> bytes:
+        """The aux states of every forward since the last call, one [num_aux, tokens, hidden] tensor
+        each, as ``torch.save`` bytes (vLLM's RPC reply encoding does not carry nested tensors)."""
+        import io
+
+        import torch
+
+        out, self._speccompat_aux = self._speccompat_aux, []
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        return buf.getvalue()
+
+
+def _one_pass(llm: Any, sequences: list[list[int]], n_aux: int) -> list[dict[str, Any]]:
+    import io
+
+    import torch
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    results = []
+    for seq in sequences:
+        llm.generate([{"prompt_token_ids": list(seq)}], params, use_tqdm=False)
+        forwards = torch.load(io.BytesIO(llm.collective_rpc("speccompat_take_aux")[0]))  # the first worker's
+        if not forwards:
+            raise RuntimeError("the model's forward returned no aux hidden states")
+        first = forwards[0]  # the prefill; nothing else runs for max_tokens=1
+        if first.shape[0] != n_aux or first.shape[1] < len(seq):
+            raise RuntimeError(f"prefill of {len(seq)} tokens gave aux states of shape {tuple(first.shape)}")
+        results.append({"input_ids": torch.tensor(seq), "hidden_states": [a[: len(seq)].clone() for a in first],
+                        "forwards": len(forwards)})
+    return results
+
+
+def run(model: str, aux_ids: list[int], sequences: list[list[int]], *, repeat: int = 1,
+        max_model_len: int = 1024, gpu_memory_utilization: float = 0.1) -> dict[str, Any]:
+    from vllm import LLM
+
+    llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=False,
+              max_num_batched_tokens=max(2048, max_model_len), max_num_seqs=8,
+              gpu_memory_utilization=gpu_memory_utilization,
+              worker_extension_cls="speccompat.testing.serving.AuxCaptureExtension")
+    (model_class,) = llm.collective_rpc("speccompat_set_aux_layers", args=(list(aux_ids),))
+    doc: dict[str, Any] = {"aux_ids": list(aux_ids), "model_class": model_class,
+                           "results": _one_pass(llm, sequences, len(aux_ids))}
+    if repeat > 1:
+        doc["repeat"] = _one_pass(llm, sequences, len(aux_ids))
+    return doc
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--aux-ids", type=int, nargs="+", required=True)
+    ap.add_argument("--sequences", required=True, help="JSON file: a list of token id lists")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.1,
+                    help="on vLLM's CPU platform: the fraction of CPU memory for the KV cache")
+    args = ap.parse_args()
+    with open(args.sequences, encoding="utf-8") as f:
+        sequences = json.load(f)
+    doc = run(args.model, args.aux_ids, sequences, repeat=args.repeat, max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization)
+    torch.save(doc, args.out)
+
+
+if __name__ == "__main__":
+    main()

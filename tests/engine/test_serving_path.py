@@ -1,0 +1,93 @@
+"""Serving-path parity: speccompat's layer i is what vLLM serves an EAGLE-3 draft as aux id i + 1.
+
+The oracle is vLLM's own aux-hidden-state path (``SupportsEagle3.set_aux_hidden_state_layers``, the
+model's own forward returning ``(hidden_states, aux)``: what EAGLE-3 serving and
+``extract_hidden_states`` read), run by a plain engine without speculators or speccompat
+(speccompat.testing.serving), on the same tiny checkpoint and sequences. This decides, where
+transformers and vLLM disagree (gpt-oss), whether the capture or the engine differs.
+
+Both sides run one sequence per forward. Each case must be bit-equal, or within the engine's own
+run-to-run noise of that case: the same generator's states of that sequence when it is batched
+with the others (another batch composition, other kernel blockings).
+
+Llama runs in the CI gate (one extra plain engine; its generator engine is the pool's). The other
+architectures need their own engines: marker ``full``, run with ``SPECCOMPAT_ENGINE_FULL=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ENGINE_ENV
+
+from speccompat.testing.parity import compare
+
+from .conftest import LAYER_IDS, mixed_sequences, skip_unless_model_runs
+from .test_architectures import CELLS, write_arch_evidence
+
+pytestmark = pytest.mark.engine
+
+FULL = os.environ.get("SPECCOMPAT_ENGINE_FULL") == "1"
+_FULL = [pytest.mark.full, pytest.mark.skipif(not FULL, reason="own engines: set SPECCOMPAT_ENGINE_FULL=1")]
+
+
+def serving_states(model, aux_ids: list[int], seqs: list[list[int]], tmp_path, log) -> dict:
+    """Run vLLM's own aux path on ``model`` in a plain engine process (speccompat.testing.serving)."""
+    import torch
+
+    seq_file, out = tmp_path / "sequences.json", tmp_path / "serving.pt"
+    seq_file.write_text(json.dumps(seqs))
+    env = {**os.environ, **ENGINE_ENV.get("engine_env", {})}
+    with open(log, "wb") as f:
+        proc = subprocess.run([sys.executable, "-m", "speccompat.testing.serving", "--model", str(model),
+                               "--aux-ids", *map(str, aux_ids), "--sequences", str(seq_file), "--out", str(out)],
+                              stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1200)
+    assert proc.returncode == 0, f"the serving-path engine failed (see {log})"
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("kind", ["llama", *(pytest.param(k, marks=_FULL)
+                                             for k in ("qwen3", "deepseek_v3", "kimi_k25", "gpt_oss"))])
+def test_capture_equals_vllms_aux_hidden_states(engines, tmp_path, kind):
+    import torch
+
+    skip_unless_model_runs(kind)
+    seqs = mixed_sequences(12, seed=7)
+    aux_ids = [i + 1 for i in LAYER_IDS]
+    host = engines.get("0.4.0.1", kind)
+    single = [host.generate([s])["results"][0] for s in seqs]
+    batched = host.generate(seqs)["results"]
+    served = serving_states(engines.checkpoint(kind), aux_ids, seqs, tmp_path, tmp_path / "serving.log")
+
+    assert served["aux_ids"] == aux_ids
+    assert len(served["results"]) == len(seqs)
+    off, equal, worst = [], 0, 0.0
+    for n, (seq, cap, cap_b, srv) in enumerate(zip(seqs, single, batched, served["results"], strict=True)):
+        assert srv["input_ids"].tolist() == seq and cap["input_ids"].tolist() == seq
+        assert srv["forwards"] == 1, "a sequence was not one prefill"
+        for j, layer in enumerate(LAYER_IDS):
+            got, want = cap["hidden_states"][j], srv["hidden_states"][j]
+            assert got.shape == want.shape == (len(seq), got.shape[-1])
+            if torch.equal(got, want):
+                equal += 1
+                continue
+            rel, noise = compare(got, want).rel, compare(cap_b["hidden_states"][j], got).rel
+            worst = max(worst, rel)
+            if rel > noise:
+                off.append(f"sequence {n}, layer {layer} vs aux {layer + 1}: rel {rel:.3g} > run-to-run noise {noise:.3g}")
+    from speccompat.testing.models import RECIPES
+
+    CELLS.append({"speculators": "0.4.0.1", "model": kind, "architecture": RECIPES[kind].architecture,
+                  "test": "serving-path", "oracle": f"vLLM aux hidden states ({served['model_class']})",
+                  "layer_ids": LAYER_IDS, "aux_ids": aux_ids, "sequences": len(seqs),
+                  "outcome": "failed" if off else "passed", "bit_equal_cases": f"{equal}/{len(seqs) * len(LAYER_IDS)}",
+                  "worst_rel": float(f"{worst:.3g}")})
+    write_arch_evidence()
+    assert not off, f"{served['model_class']}: {len(off)} cases differ:\n" + "\n".join(off[:12])
+    # the oracle can fail: layer i against aux id i + 2 (the next layer's output) is far off
+    wrong = compare(single[0]["hidden_states"][1], served["results"][0]["hidden_states"][2]).rel
+    assert wrong > 0.05, wrong
