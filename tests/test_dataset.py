@@ -214,6 +214,22 @@ def test_resume_skips_intact_files_and_redoes_changed_ones(world, caplog):
     assert verify_dataset(out)[0] == []
 
 
+def test_a_header_without_samples_is_replaced_by_the_corrected_command(world):
+    """An engine that did not start leaves only the run's header: the command run again with corrected
+    settings is not refused as "made differently" (nothing could be mixed); one finished sample is."""
+    from speccompat.dataset import open_dataset
+
+    root, model, data, samples = world
+    out = root / "out"
+    ds = open_dataset(out, samples, provenance(model, max_seq_len=64))
+    ds.close()  # the engine failed to start: nothing was written but the header
+    assert json.loads((out / "manifest.jsonl").read_text().splitlines()[0])["provenance"]["max_seq_len"] == 64
+    ds = open_dataset(out, samples, provenance(model, max_seq_len=32))
+    ds.close()
+    head = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
+    assert head["provenance"]["max_seq_len"] == 32 and len(ds.todo) == len(samples)
+
+
 @needs_torch
 def test_a_different_model_or_input_is_refused_before_anything_runs_unless_overwrite(world):
     root, model, data, samples = world

@@ -187,6 +187,13 @@ def _open_locked(ddir: DatasetDir, layout: Layout, samples: list[Sample], proven
                            f"{' ...' if len(strays) > 3 else ''}) but no {MANIFEST_NAME}: nothing says what "
                            "produced them. Use another --output-dir, or --overwrite to replace them")
     diffs = differences(manifest.header, provenance, samples, stored)
+    empty = not manifest.entries and not [n for n in sample_names if n != MANIFEST_NAME]
+    if diffs and empty and not overwrite:
+        # A run that stopped before its first sample (e.g. its engine did not start) left only its
+        # header: nothing can be mixed or lost, so this run's settings replace it.
+        logger.info("%s holds no sample yet, only the header of an earlier run that wrote none; this run's "
+                    "settings replace it (%s)", out_dir, "; ".join(diffs[:3]))
+        diffs, manifest.header = [], None
     if not overwrite:
         refuse_differences(out_dir, diffs, "Use another --output-dir, or --overwrite to redo every sample of this "
                                            "input")
