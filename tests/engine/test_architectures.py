@@ -2,8 +2,8 @@
 
 Each architecture is a tiny checkpoint (speccompat.testing.models) run through speculators' own
 generator under speccompat and compared with transformers under the tight rule (as
-test_parity.py). Each needs its own engine, so these run only with ``SPECCOMPAT_ENGINE_FULL=1``
-(marker ``full``; the CI gate leaves them out). With ``SPECCOMPAT_ARCH_EVIDENCE_OUT=FILE`` the
+test_parity.py). Each needs its own engine, so they leave the gate (marker ``engine_full``: run by
+``nox -s engine_full`` or ``pytest --engine-full``). With ``SPECCOMPAT_ARCH_EVIDENCE_OUT=FILE`` the
 outcomes are written there (``evidence/<platform>/architectures-vllm-<V>.json``; speccompat.matrix
 reads them into the architectures table). An engine that refuses an architecture is recorded
 with its error and the test fails: a refusal is evidence, never a silent skip.
@@ -20,9 +20,7 @@ from speccompat.testing.parity import measure, violations
 
 from .conftest import LAYER_IDS, mixed_sequences
 
-FULL = os.environ.get("SPECCOMPAT_ENGINE_FULL") == "1"
-pytestmark = [pytest.mark.engine, pytest.mark.full,
-              pytest.mark.skipif(not FULL, reason="one engine per architecture: set SPECCOMPAT_ENGINE_FULL=1")]
+pytestmark = [pytest.mark.engine, pytest.mark.engine_full]
 
 #: New architectures, in the order they were brought up.
 ARCH_KINDS = ("qwen3", "gpt_oss", "mistral", "qwen3_moe", "gemma3", "glm4_moe")

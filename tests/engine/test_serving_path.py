@@ -11,7 +11,7 @@ run-to-run noise of that case: the same generator's states of that sequence when
 with the others (another batch composition, other kernel blockings).
 
 Llama runs in the CI gate (one extra plain engine; its generator engine is the pool's). The other
-architectures need their own engines: marker ``full``, run with ``SPECCOMPAT_ENGINE_FULL=1``.
+architectures need their own engines: marker ``engine_full`` (``nox -s engine_full``, ``pytest --engine-full``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from .test_architectures import CELLS, write_arch_evidence
 
 pytestmark = pytest.mark.engine
 
-FULL = os.environ.get("SPECCOMPAT_ENGINE_FULL") == "1"
-_FULL = [pytest.mark.full, pytest.mark.skipif(not FULL, reason="own engines: set SPECCOMPAT_ENGINE_FULL=1")]
+_FULL = [pytest.mark.engine_full]
 
 
 def serving_states(model, aux_ids: list[int], seqs: list[list[int]], tmp_path, log) -> dict:
