@@ -342,9 +342,6 @@ def main(args: argparse.Namespace) -> int:
         again = check_draft(args.draft, args.dataset, args.num_hidden_layers)
         print(report(again))
         return EXIT_CONSISTENT if again.consistent else EXIT_MISMATCH
-    except BadInput as exc:
-        print(f"check-draft: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except OSError as exc:
+    except (BadInput, OSError) as exc:
         print(f"check-draft: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

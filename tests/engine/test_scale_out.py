@@ -166,6 +166,16 @@ def kill_shard_zero_of_two_then_resume(world, out: Path) -> set[str]:
     return shard0
 
 
+def verified_like_reference(out: Path, world) -> int:
+    """``speccompat verify`` passes on ``out`` and it holds the single-engine run's data set; returns
+    how many files are byte-identical to that run's."""
+    v = verify(out)
+    assert v.returncode == 0, v.stdout + v.stderr
+    identical = same_as_reference(out, world.ref)
+    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+    return identical
+
+
 def kill_an_engine_mid_run(world, out: Path, engines: int, victim: int, log_path: Path) -> str:
     """``--data-parallel-size engines``; engine ``victim``'s driver process is killed (SIGKILL) once it
     finished a sample. The run must report it, not merge, and keep what is finished; returns the log."""
@@ -236,10 +246,7 @@ def test_scale_out_chain_kill_resume_reshard_die_retry(world):
     assert all(after[name] == st for name, st in before.items())
     # the 2-split's part 0 and the three parts of the 3-split
     assert f"complete: 4 manifest part(s) merged, all {SAMPLES} input samples present once" in proc.stderr
-    v = verify(out)
-    assert v.returncode == 0, v.stdout + v.stderr
-    identical = same_as_reference(out, world.ref)
-    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+    verified_like_reference(out, world)
 
 
 @pytest.mark.engine_full
@@ -254,10 +261,7 @@ def test_two_engines_side_by_side_make_the_same_data_set_as_one(world):
         assert f"engine {k} (shard {k} of 2): exit 0" in log
     assert f"complete: 2 manifest part(s) merged, all {SAMPLES} input samples present once" in log
     assert not list(out.glob("manifest.shard-*")) and not (out / "manifest.header.json").exists()
-    v = verify(out)
-    assert v.returncode == 0, v.stdout + v.stderr
-    identical = same_as_reference(out, world.ref)
-    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+    identical = verified_like_reference(out, world)
     if identical == SAMPLES:  # a deterministic engine: the whole data set is byte-identical
         assert (out / "manifest.jsonl").read_bytes() == (world.ref / "manifest.jsonl").read_bytes()
 
@@ -289,10 +293,7 @@ def test_a_killed_shard_resumes_and_a_reshard_from_two_to_three_recomputes_nothi
     assert all(after[name] == st for name, st in before.items())  # nothing finished was rewritten
     # the 2-split's part 0 and the three parts of the 3-split
     assert f"complete: 4 manifest part(s) merged, all {SAMPLES} input samples present once" in proc.stderr
-    v = verify(out)
-    assert v.returncode == 0, v.stdout + v.stderr
-    identical = same_as_reference(out, world.ref)
-    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+    verified_like_reference(out, world)
 
 
 @pytest.mark.engine_full
@@ -307,10 +308,7 @@ def test_two_ray_actors_on_a_local_cluster_make_the_same_data_set(world):
         assert f"engine {k} (shard {k} of 2): exit 0" in log
     assert f"job progress: {SAMPLES}/{SAMPLES} samples extracted by 2 engine(s) (0 running)" in log
     assert f"complete: 2 manifest part(s) merged, all {SAMPLES} input samples present once" in log
-    v = verify(out)
-    assert v.returncode == 0, v.stdout + v.stderr
-    identical = same_as_reference(out, world.ref)
-    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+    verified_like_reference(out, world)
 
 
 @pytest.mark.engine_full
@@ -331,7 +329,4 @@ def test_an_engine_that_dies_is_reported_and_a_rerun_retries_its_samples(world):
     after = stamps(out)
     assert all(after[name] == st for name, st in before.items())
     assert f"complete: 2 manifest part(s) merged, all {SAMPLES} input samples present once" in proc.stderr
-    v = verify(out)
-    assert v.returncode == 0, v.stdout + v.stderr
-    identical = same_as_reference(out, world.ref)
-    print(f"{identical} of {SAMPLES} files byte-identical to the single-engine run")
+    verified_like_reference(out, world)
