@@ -18,15 +18,22 @@ first ``len(sequence)`` rows are that sequence's tokens.
 ``OUT.pt`` holds ``{"aux_ids": [...], "results": [{"input_ids": LongTensor[n],
 "hidden_states": [Tensor[n, H] per aux id]}, ...]}``. The engine's run-to-run noise: ``--repeat 2``
 runs every sequence twice and stores the second pass as ``"repeat"``.
+
+``--native`` reads the same states through vLLM's own ``extract_hidden_states`` speculative method
+instead (what speculators >= 0.5 and NVIDIA Model-Optimizer extract with): the aux ids go into the
+draft config as ``eagle_aux_hidden_state_layer_ids``, ``ExampleHiddenStatesConnector`` writes each
+request's ``[n, len(aux_ids), H]`` states to a safetensors file, read back here. The connector's
+write-out uses CUDA streams (vllm/distributed/kv_transfer/kv_connector/v1/
+example_hidden_states_connector.py, ``_submit_async_write``): it runs on GPUs only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["AuxCaptureExtension", "run"]
+__all__ = ["AuxCaptureExtension", "OracleAgreement", "agreement", "run", "run_native"]
 
 
 class AuxCaptureExtension:
@@ -63,6 +70,40 @@ class AuxCaptureExtension:
         buf = io.BytesIO()
         torch.save(out, buf)
         return buf.getvalue()
+
+
+class OracleAgreement(NamedTuple):
+    """speccompat's states against an oracle's, case by case (sequence x layer)."""
+
+    cases: int
+    bit_equal: int
+    worst_rel: float
+    off: list[str]  # the cases beyond the engine's run-to-run noise, described
+
+
+def agreement(layer_ids: list[int], single: list[Any], batched: list[Any], oracle: list[Any]) -> OracleAgreement:
+    """Layer ``i`` of ``single`` (speccompat's generator, one sequence per call) against aux id ``i+1``
+    of ``oracle``: each case bit-equal, or within the run-to-run noise of that case (the same
+    generator's states of that sequence batched with the others, ``batched``)."""
+    import torch
+
+    from .parity import compare
+
+    off, equal, worst, cases = [], 0, 0.0, 0
+    for n, (cap, cap_b, srv) in enumerate(zip(single, batched, oracle, strict=True)):
+        for j, layer in enumerate(layer_ids):
+            got, want = cap["hidden_states"][j], srv["hidden_states"][j]
+            if got.shape != want.shape:
+                raise ValueError(f"sequence {n}, layer {layer}: shape {tuple(got.shape)} != oracle {tuple(want.shape)}")
+            cases += 1
+            if torch.equal(got, want):
+                equal += 1
+                continue
+            rel, noise = compare(got, want).rel, compare(cap_b["hidden_states"][j], got).rel
+            worst = max(worst, rel)
+            if rel > noise:
+                off.append(f"sequence {n}, layer {layer} vs aux {layer + 1}: rel {rel:.3g} > run-to-run noise {noise:.3g}")
+    return OracleAgreement(cases, equal, worst, off)
 
 
 def _one_pass(llm: Any, sequences: list[list[int]], n_aux: int) -> list[dict[str, Any]]:
@@ -102,6 +143,48 @@ def run(model: str, aux_ids: list[int], sequences: list[list[int]], *, repeat: i
     return doc
 
 
+def run_native(model: str, aux_ids: list[int], sequences: list[list[int]], *, max_model_len: int = 1024,
+               gpu_memory_utilization: float = 0.1) -> dict[str, Any]:
+    """The same states through vLLM's ``extract_hidden_states`` (configured as speculators 0.5+ does:
+    chunked prefill and prefix caching off, one token sampled), one request per sequence."""
+    import shutil
+    import tempfile
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ehs
+
+    store = tempfile.mkdtemp(prefix="speccompat-native-")
+    try:
+        llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=False,
+                  enable_chunked_prefill=False, max_num_batched_tokens=max(2048, max_model_len), max_num_seqs=8,
+                  gpu_memory_utilization=gpu_memory_utilization,
+                  speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                      "draft_model_config": {"hf_config": {
+                                          "eagle_aux_hidden_state_layer_ids": list(aux_ids)}}},
+                  kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                      "kv_connector_extra_config": {"shared_storage_path": store}})
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        results = []
+        for seq in sequences:
+            (out,) = llm.generate([{"prompt_token_ids": list(seq)}], params, use_tqdm=False)
+            path = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if path is None:
+                raise RuntimeError(f"extract_hidden_states returned no hidden_states_path: {out.kv_transfer_params}")
+            data = ehs.load_hidden_states(path)
+            states, ids = data["hidden_states"], data["token_ids"]
+            if ids.tolist() != list(seq) or tuple(states.shape[:2]) != (len(seq), len(aux_ids)):
+                raise RuntimeError(f"extract_hidden_states wrote states {tuple(states.shape)} for token ids "
+                                   f"{ids.tolist()[:8]}... of a {len(seq)}-token sequence and {len(aux_ids)} aux ids")
+            results.append({"input_ids": torch.tensor(seq), "forwards": None,
+                            "hidden_states": [states[:, j].clone() for j in range(len(aux_ids))]})
+            ehs.cleanup_hidden_states(path)
+        arch = ",".join(llm.llm_engine.model_config.architectures or ["?"])
+        return {"aux_ids": list(aux_ids), "model_class": f"{arch} via extract_hidden_states", "results": results}
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+
+
 def main() -> None:
     import torch
 
@@ -111,14 +194,20 @@ def main() -> None:
     ap.add_argument("--sequences", required=True, help="JSON file: a list of token id lists")
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--native", action="store_true",
+                    help="through vLLM's extract_hidden_states speculative method (GPU only)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1,
                     help="on vLLM's CPU platform: the fraction of CPU memory for the KV cache")
     args = ap.parse_args()
     with open(args.sequences, encoding="utf-8") as f:
         sequences = json.load(f)
-    doc = run(args.model, args.aux_ids, sequences, repeat=args.repeat, max_model_len=args.max_model_len,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.native:
+        doc = run_native(args.model, args.aux_ids, sequences, max_model_len=args.max_model_len,
+                         gpu_memory_utilization=args.gpu_memory_utilization)
+    else:
+        doc = run(args.model, args.aux_ids, sequences, repeat=args.repeat, max_model_len=args.max_model_len,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
     torch.save(doc, args.out)
 
 
