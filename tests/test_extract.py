@@ -3,6 +3,7 @@ written; a KV cache too small is a setting; unverified steps fail their samples 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -95,37 +96,106 @@ def test_speculators_arrow_refuses_before_any_engine(tmp_path, monkeypatch, capl
 
 
 class Gen:
-    def __init__(self, *outcomes):
-        self.outcomes, self.calls = list(outcomes), []
+    """A generator fed continuously, as speccompat.generator.stream drives one (installed by the
+    ``fake_stream`` fixture): it reads ``ahead`` inputs before handing states out, hands them out in
+    pairs, last read first (completion order is not input order), and rejects a sequence whose first
+    token is in ``bad`` once it is read. ``unverified_at``: the stream's unverified-steps count
+    rises when that sequence is handed out. ``kv_small``: the stream and every generate() call raise
+    KVCacheTooSmall. Each state is the sequence's first token (its identity)."""
+
+    def __init__(self, bad=(), unverified_at=None, kv_small=False, ahead=3):
+        self.bad, self.unverified_at, self.kv_small, self.ahead = set(bad), unverified_at, kv_small, ahead
+        self.calls, self.streams = [], 0
+
+    def stream(self, inputs, max_in_flight_tokens):
+        self.streams += 1
+        if self.kv_small:
+            raise KVCacheTooSmall("the KV cache is too small for them", longest=3)
+        read, unverified = [], 0
+        for i, seq in enumerate(inputs):
+            if seq[0] in self.bad:
+                raise HiddenStatesError(f"sequence {i}, layer 2: non-finite values")
+            read.append((i, seq))
+            if len(read) >= self.ahead or i == 0:
+                continue
+            for j, s in reversed(read[:2]):
+                unverified += s[0] == self.unverified_at
+                yield j, [s[0]], {"unverified_steps": unverified}
+            del read[:2]
+        for j, s in reversed(read):
+            unverified += s[0] == self.unverified_at
+            yield j, [s[0]], {"unverified_steps": unverified}
 
     def generate(self, ids, copy=True):
-        self.calls.append(len(ids))
-        out = self.outcomes.pop(0)
-        if isinstance(out, Exception):
-            raise out
-        self._speccompat_stats = {"unverified_steps": out}
-        return [{"hidden_states": [i]} for i in range(len(ids))]
+        self.calls.append(ids[0][0])
+        if self.kv_small:
+            raise KVCacheTooSmall("the KV cache is too small for them", longest=3)
+        if ids[0][0] in self.bad:
+            raise HiddenStatesError("non-finite values")
+        self._speccompat_stats = {"unverified_steps": 0}
+        return [{"hidden_states": [ids[0][0]]}]
+
+
+@pytest.fixture
+def fake_stream(monkeypatch):
+    import speccompat.generator
+
+    def stream(gen, inputs, *, max_in_flight_sequences, max_in_flight_tokens, copy):
+        assert max_in_flight_sequences is None and not copy and max_in_flight_tokens >= 1
+        return gen.stream(inputs, max_in_flight_tokens)
+
+    monkeypatch.setattr(speccompat.generator, "stream", stream)
 
 
 def samples(n):
-    return [types.SimpleNamespace(input_ids=[1, 2, 3], num_tokens=3) for _ in range(n)]
+    return [types.SimpleNamespace(input_ids=[100 + i, 2, 3], num_tokens=3, id=f"s{i}") for i in range(n)]
 
 
-def test_a_call_with_unverified_steps_fails_its_samples():
-    [a, b] = ex.generate(Gen(2), samples(2))
-    assert isinstance(a, HiddenStatesError) and a is b and "2 engine step(s) of this batch could not be verified" in str(a)
-    assert [r["hidden_states"] for r in ex.generate(Gen(0), samples(2))] == [[0], [1]]
+def outcome(results):
+    """{sample id: its states' identity, or the exception's class name}."""
+    return {s.id: type(r).__name__ if isinstance(r, Exception) else r[0] for s, r in results}
 
 
-def test_a_kv_cache_too_small_for_one_sample_is_raised_not_failed_per_sample():
-    small = KVCacheTooSmall("too small", longest=3)
-    gen = Gen(small, 0, small)
+def test_every_sample_comes_back_once_whatever_the_completion_order(fake_stream):
+    todo = samples(9)
+    results = list(ex.stream_results(Gen(), todo, 64))
+    assert [s.id for s, _ in results] != [s.id for s in todo]  # delivered in completion order
+    assert outcome(results) == {s.id: s.input_ids[0] for s in todo} and len(results) == 9
+
+
+def test_a_rejected_sample_fails_alone_and_the_stream_goes_on(fake_stream):
+    todo, gen = samples(9), Gen(bad={104})
+    results = list(ex.stream_results(gen, todo, 64))
+    want = {s.id: s.input_ids[0] for s in todo} | {"s4": "HiddenStatesError"}
+    assert outcome(results) == want and len(results) == 9
+    # the samples read and not handed out when the stream stopped ran one at a time; then a new stream
+    assert 104 in gen.calls and len(gen.calls) <= gen.ahead + 1 and gen.streams == 2
+
+
+def test_samples_of_an_unverified_step_are_run_again_one_at_a_time(fake_stream):
+    todo, gen = samples(6), Gen(unverified_at=102)
+    results = list(ex.stream_results(gen, todo, 64))
+    assert outcome(results) == {s.id: s.input_ids[0] for s in todo} and len(results) == 6
+    assert 102 in gen.calls  # not taken from the stream, whose step could not be verified
+
+
+def test_a_kv_cache_too_small_is_raised_not_failed_per_sample(fake_stream):
     with pytest.raises(KVCacheTooSmall):
-        ex.generate(gen, samples(2))  # the batch, then sample 1 alone (fits), then sample 2 alone (does not)
-    assert gen.calls == [2, 1, 1]
+        list(ex.stream_results(Gen(kv_small=True), samples(2), 64))
+    with pytest.raises(KVCacheTooSmall):
+        ex.generate_one(Gen(kv_small=True), samples(1)[0])
+    assert isinstance(ex.generate_one(Gen(bad={100}), samples(1)[0]), HiddenStatesError)
 
 
-def test_the_run_stops_on_a_kv_cache_too_small_and_names_the_settings(tmp_path, monkeypatch, caplog):
+def test_the_in_flight_budget_is_half_the_memory_budget_and_at_least_one_sample():
+    info = types.SimpleNamespace(hidden_size=4096)
+    cfg = ex.ExtractConfig(model_path="m", prepared_data="d", output_dir="o", max_in_flight_gb=8.0, max_seq_len=2048)
+    assert ex.in_flight_tokens(cfg, info, [2, 30, 58, 60]) == int(4e9 / (4 * 4096 * 4))
+    tiny = dataclasses.replace(cfg, max_in_flight_gb=0.001)
+    assert ex.in_flight_tokens(tiny, info, [2, 30, 58, 60]) == cfg.max_model_len
+
+
+def test_the_run_stops_on_a_kv_cache_too_small_and_names_the_settings(tmp_path, monkeypatch, caplog, fake_stream):
     pytest.importorskip("torch", reason="the data set's writer")
     import speccompat
 
@@ -134,13 +204,15 @@ def test_the_run_stops_on_a_kv_cache_too_small_and_names_the_settings(tmp_path, 
     status = types.SimpleNamespace(state="armed", warnings=[], errors=[], speculators={"raw": "0.4.0.1"},
                                    as_dict=lambda: {"state": "armed", "vllm": {"raw": "0.32.0"}})
     monkeypatch.setattr(speccompat, "apply", lambda **kw: status)
-    gen = Gen(*[KVCacheTooSmall("the KV cache is too small for them", longest=30)] * 3)
+    gen = Gen(kv_small=True)
     monkeypatch.setattr(ex, "start_generator", lambda *a: gen)
     code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(tmp_path / "o"),
-                    "--layer-ids", "1", "2", "4", "5", "--gpu-memory-utilization", "0.0001", "--no-progress"])
-    assert code == 1 and gen.calls == [2, 1]  # stopped at the first sample that cannot fit alone
+                    "--layer-ids", "1", "2", "4", "5", "--gpu-memory-utilization", "0.0001", "--no-progress",
+                    "--batch-size", "2"])
+    assert code == 1 and gen.streams == 1 and gen.calls == []  # stopped at once: no per-sample retries
     assert "re-running the same command fails the same way" in caplog.text
     assert "Raise --gpu-memory-utilization (now 0.0001)" in caplog.text
+    assert "--batch-size 2 is no longer used" in caplog.text
     assert "re-run the same command to retry" not in caplog.text
     assert json.loads((tmp_path / "o" / "manifest.jsonl").read_text().splitlines()[0])["speccompat_dataset"] == 1
 

@@ -2,14 +2,16 @@
 
 Arguments -> :class:`ExtractConfig` -> checks (:func:`preflight`: what config.json decides, before
 anything starts or is written) -> samples -> generator -> writer. speculators'
-``VllmHiddenStatesGenerator`` (made to work on this vLLM by ``speccompat.apply()``) runs batches of
-``--batch-size`` samples; the data-set machinery (``speccompat.dataset``) checks the input, the
-output directory and what produced it before the engine starts, writes each sample in the
-background while the engine computes the next batch, and resumes. The example drivers
+``VllmHiddenStatesGenerator`` (made to work on this vLLM by ``speccompat.apply()``) is fed
+continuously (:func:`speccompat.generator.stream`): samples are admitted to the engine as it frees
+slots, up to a token budget taken from ``--max-in-flight-gb``, and each sample's states go to the
+writer as soon as the step that completed it ran, so no call boundary leaves the engine idle. The
+data-set machinery (``speccompat.dataset``) checks the input, the output directory and what
+produced it before the engine starts, writes each sample in the background, and resumes. The example drivers
 (``examples/kimi_k25/extract_hidden_states.py``, ``examples/llama/``) run this command.
 
     speccompat extract --model-path /models/Kimi-K2.5 --prepared-data data.jsonl \
-        --output-dir hs/ --tp-size 8 --layer-ids 2 30 58 60 --batch-size 2 --max-seq-len 2048
+        --output-dir hs/ --tp-size 8 --layer-ids 2 30 58 60 --max-seq-len 2048
 
 Exit status: 0 every sample has its file; 1 some samples failed, the engine failed or the disk
 filled up (finished files are kept: re-run to resume; a KV cache too small for the samples is a
@@ -62,7 +64,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "(speculators 0.3/0.4); speculators-arrow: the Arrow dataset + hidden_states/hs_<row>"
                          ".safetensors speculators >= 0.5 trains on (layers ascending, the last the final "
                          "layer; needs speccompat[arrow])")
-    ap.add_argument("--batch-size", type=positive_int, default=2, help="sequences per generate() call")
+    ap.add_argument("--batch-size", type=positive_int, default=None,
+                    help="accepted for older commands, no longer used: samples are admitted to the engine as it "
+                         "frees slots (the in-flight budget is --max-in-flight-gb)")
     ap.add_argument("--max-seq-len", type=positive_int, default=2048,
                     help="longest sequence kept whole (the engine gets max_model_len = this + 1)")
     ap.add_argument("--tp-size", type=positive_int, default=1, help="tensor parallel size (GPUs)")
@@ -81,7 +85,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="lines longer than --max-seq-len: keep the first max-seq-len tokens, skip, or stop")
     ap.add_argument("--writer-threads", type=positive_int, default=4, help="threads writing files")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0,
-                    help="results not yet written that may be held in memory before the engine waits")
+                    help="memory for states in flight: half for samples admitted to the engine and not yet "
+                         "handed out, half for results not yet written (beyond it the engine waits)")
     ap.add_argument("--token-freq-path", type=Path, default=None,
                     help="--format speculators: token-frequency file (default: <output-dir>.token_freq.pt)")
     ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO")
@@ -139,7 +144,7 @@ class ExtractConfig:
     prepared_data: Path
     output_dir: Path
     format: str = "safetensors"
-    batch_size: int = 2
+    batch_size: int | None = None  # no longer used (the engine is fed continuously); kept for older callers
     max_seq_len: int = 2048
     tp_size: int = 1
     gpu_memory_utilization: float = 0.8
@@ -296,30 +301,76 @@ def stop_generator(gen: Any) -> None:
             executor.shutdown()
 
 
-def generate(gen: Any, batch: list[Any]) -> list[Any]:
-    """Results of one batch, in order. A batch rejected by speccompat's validation is retried one
-    sample at a time, so one bad sample does not take its neighbours down. A call with steps whose
-    token ids could not be verified against the prompts (``unverified_steps``) fails its samples.
-    A KV cache too small for one sample alone (``KVCacheTooSmall``) is raised: it is a setting."""
+def in_flight_tokens(args: ExtractConfig, info: Any, layer_ids: list[int]) -> int:
+    """Prompt tokens of samples admitted to the engine and not yet handed out: half of
+    ``--max-in-flight-gb`` at the states' size per token (the other half is the writer's), at least
+    one longest sample."""
+    per_token = len(layer_ids) * info.hidden_size * 4  # the engine's states: at most 4 bytes a value
+    return max(args.max_model_len, int(args.max_in_flight_gb * 1e9 / 2 / per_token))
+
+
+def stream_results(gen: Any, todo: list[Any], budget_tokens: int) -> Any:
+    """``(sample, states or the exception that failed it)`` for every sample of ``todo``, in the
+    order the engine completes them, the engine fed continuously (:func:`speccompat.generator.stream`,
+    views of the workers' staging memory, written from there).
+
+    A sample the stream rejects (non-finite states, a token the capture cannot place) stops the
+    stream; the samples it had read and not handed out are then run one at a time, so that only the
+    bad one fails, and the stream goes on with the rest. So do the samples of a step whose token ids
+    could not be verified against the prompts (``unverified_steps``). A KV cache too small for one
+    sample alone (``KVCacheTooSmall``) is raised: it is a setting."""
+    from speccompat.errors import HiddenStatesError, KVCacheTooSmall
+    from speccompat.generator import stream
+
+    start = 0
+    while start < len(todo):
+        part, read, handed = todo[start:], [0], set()
+
+        def inputs(part: list[Any] = part, read: list[int] = read) -> Any:
+            for sample in part:
+                read[0] += 1
+                yield list(sample.input_ids)
+
+        unverified = 0
+        try:
+            for index, states, stats in stream(gen, inputs(), max_in_flight_sequences=None,
+                                               max_in_flight_tokens=budget_tokens, copy=False):
+                if stats.get("unverified_steps", 0) > unverified:
+                    raise HiddenStatesError(f"{stats['unverified_steps'] - unverified} engine step(s) could not be "
+                                            "verified against the prompts (unverified_steps): the states of the "
+                                            "samples in flight may belong to other tokens")
+                handed.add(index)
+                yield part[index], states
+            return
+        except KVCacheTooSmall:
+            raise
+        except HiddenStatesError as exc:
+            suspects = [i for i in range(read[0]) if i not in handed]
+            logger.warning("%s; running the %d sample(s) in flight one at a time", exc, len(suspects))
+            for i in suspects:
+                yield part[i], generate_one(gen, part[i])
+            start += read[0]
+
+
+def generate_one(gen: Any, sample: Any) -> Any:
+    """One sample's states through ``generate()``, or the exception that failed it: a rejected
+    sample, or a call with steps whose token ids could not be verified (``unverified_steps``). A KV
+    cache too small for the sample alone (``KVCacheTooSmall``) is raised: it is a setting."""
     from speccompat.errors import HiddenStatesError, KVCacheTooSmall
 
     try:
         # copy=False (speccompat's generate): views of the worker's shared-memory buffer, written to
         # disk straight from there; the buffer is not reused while the writer still holds them
-        results = gen.generate([list(s.input_ids) for s in batch], copy=False)
+        (result,) = gen.generate([list(sample.input_ids)], copy=False)
+    except KVCacheTooSmall:
+        raise
     except HiddenStatesError as exc:
-        if len(batch) == 1:
-            if isinstance(exc, KVCacheTooSmall):
-                raise
-            return [exc]
-        logger.warning("a batch of %d failed validation (%s); retrying one by one", len(batch), exc)
-        return [generate(gen, [s])[0] for s in batch]
+        return exc
     unverified = (getattr(gen, "_speccompat_stats", None) or {}).get("unverified_steps", 0)
     if unverified:
-        exc = HiddenStatesError(f"{unverified} engine step(s) of this batch could not be verified against the "
-                                "prompts (unverified_steps): its hidden states may belong to other tokens")
-        return [exc] * len(batch)
-    return results
+        return HiddenStatesError(f"{unverified} engine step(s) could not be verified against the prompts "
+                                 "(unverified_steps): its hidden states may belong to other tokens")
+    return result["hidden_states"]
 
 
 def log_layer_stats(sample: Any, layer_ids: list[int], states: list[Any]) -> None:
@@ -342,6 +393,9 @@ def extract(args: ExtractConfig) -> int:
 
     started = time.monotonic()
     info, layer_ids = check_settings(args)
+    if args.batch_size is not None:
+        logger.warning("--batch-size %d is no longer used: samples are admitted to the engine as it frees slots "
+                    "(the budget in flight is --max-in-flight-gb)", args.batch_size)
     shard = resolve_shard(args.num_shards, args.shard_index)
     if shard.num_shards > 1:
         logger.info("%s", shard)
@@ -390,33 +444,32 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
     engine_s = time.monotonic() - t0
     logger.info("engine ready in %.1f s", engine_s)
     failed: list[str] = []
-    tokens = written = 0
+    tokens = written = done = 0
     code = EXIT_OK
     writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
     loop_start = last_log = time.monotonic()
     bar = _progress_bar(args, ds.todo)
+    budget = in_flight_tokens(args, info, layer_ids)
+    logger.info("feeding the engine continuously: up to %d tokens of samples in flight (half of "
+                "--max-in-flight-gb %g)", budget, args.max_in_flight_gb)
     try:
-        for first in range(0, len(ds.todo), args.batch_size):
-            batch = ds.todo[first:first + args.batch_size]
-            jobs = []
-            for sample, result in zip(batch, generate(gen, batch), strict=True):
-                if isinstance(result, Exception):
-                    failed.append(f"line {sample.line} id {sample.id!r}: {result}")
-                    logger.error("line %d id %r failed: %s (not written)", sample.line, sample.id, result)
-                    continue
-                if written + len(jobs) < STATS_SAMPLES:
-                    log_layer_stats(sample, layer_ids, result["hidden_states"])
-                jobs.append(ds.job(sample, result["hidden_states"]))
-            writer.submit(jobs)  # returns at once unless --max-in-flight-gb of results wait for the disk
-            written += len(jobs)
-            tokens += sum(j.sample.num_tokens for j in jobs)
+        for sample, result in stream_results(gen, ds.todo, budget):
+            done += 1
             if bar is not None:
-                bar.update(sum(s.num_tokens for s in batch))
+                bar.update(sample.num_tokens)
+            if isinstance(result, Exception):
+                failed.append(f"line {sample.line} id {sample.id!r}: {result}")
+                logger.error("line %d id %r failed: %s (not written)", sample.line, sample.id, result)
+                continue
+            if written < STATS_SAMPLES:
+                log_layer_stats(sample, layer_ids, result)
+            writer.submit([ds.job(sample, result)])  # at once, unless --max-in-flight-gb of results wait for the disk
+            written += 1
+            tokens += sample.num_tokens
             now = time.monotonic()
-            if now - last_log >= PROGRESS_EVERY_S or first + len(batch) == len(ds.todo):
+            if now - last_log >= PROGRESS_EVERY_S or done == len(ds.todo):
                 last_log = now
-                logger.info("progress: %d/%d samples, %.0f tokens/s", first + len(batch), len(ds.todo),
-                            tokens / (now - loop_start))
+                logger.info("progress: %d/%d samples, %.0f tokens/s", done, len(ds.todo), tokens / (now - loop_start))
         writer.close()
     except WriterFailed as exc:
         logger.error("%s", exc)
@@ -424,8 +477,8 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
     except KVCacheTooSmall as exc:
         logger.error("%s. This is a setting, not a transient failure: re-running the same command fails the "
                      "same way. Raise --gpu-memory-utilization (now %s), or lower --max-seq-len (now %d) or "
-                     "--batch-size (now %d); finished samples are kept", exc, args.gpu_memory_utilization,
-                     args.max_seq_len, args.batch_size)
+                     "--max-in-flight-gb (now %g); finished samples are kept", exc, args.gpu_memory_utilization,
+                     args.max_seq_len, args.max_in_flight_gb)
         code = EXIT_FAILED
     except KeyboardInterrupt:
         logger.error("interrupted; finished samples are kept, re-run to resume")
