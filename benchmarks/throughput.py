@@ -30,9 +30,10 @@ warm-up pass of each workload, --warm-up, excluded):
              write bandwidth measured in the same run (disk_write_gbps: one stream, as dd) and the
              disk's rate for the driver's own pattern (disk_parallel_write_gbps: --writer-threads
              threads each writing files of the driver's mean sample size, fsync'd, as fio would)
-  driver-stream, driver-stream-disk  the driver's writer fed by stream() (views) instead of
-             generate() calls: at most --driver-batch sequences in flight, each written as soon as
-             its last step ran
+  driver-stream, driver-stream-disk  the driver's own loop (speccompat.dataset.extract
+             stream_results: stream() with views, samples admitted up to the token budget that
+             --max-in-flight-gb gives, each written as soon as its last step ran); --driver-batch,
+             which the driver no longer uses, only names the repeat
   driver-dp  --dp-size engines side by side (one GPU each share: --gpu-memory-utilization is
              split between them), each the driver mode on every dp-size-th sequence, started
              together once all are warm; tokens/s of the whole job (first start to last finish)
@@ -244,9 +245,12 @@ def driver_extractor(args: argparse.Namespace):
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=LAYER_IDS, dtype="bfloat16",
                               max_seq_len=args.max_model_len - 1, on_long_line="fail",
                               tensor_parallel_size=args.tp, layout="safetensors", status=speccompat.status())
-    from speccompat.generator import stream
+    from speccompat.dataset.extract import ExtractConfig, in_flight_tokens, stream_results
 
     streaming = args.mode.startswith("driver-stream")
+    budget = in_flight_tokens(ExtractConfig(model_path=args.model_path, prepared_data=Path(), output_dir=Path(),
+                                            max_seq_len=args.max_model_len - 1, max_in_flight_gb=args.max_in_flight_gb),
+                              info, LAYER_IDS)
     root = Path(args.disk_dir if args.mode.endswith("-disk") else args.driver_dir)
     root.mkdir(parents=True, exist_ok=True)
     counter = itertools.count()
@@ -262,11 +266,10 @@ def driver_extractor(args: argparse.Namespace):
         size = getattr(extract, "batch", None) or args.driver_batch
         t1 = time.perf_counter()
         each = []  # per generate() call: engine loop seconds, staging files the workers had to make
-        if streaming:  # one stream, at most `size` sequences in flight, each written when its last step ran
-            todo = ds.todo
-            for index, states, _ in stream(gen, (list(s.input_ids) for s in todo), max_in_flight_sequences=size,
-                                           copy=False):
-                writer.submit([ds.job(todo[index], states)])
+        if streaming:  # the driver's own loop: one stream, a token budget in flight, each written when done
+            for sample, states in stream_results(gen, ds.todo, budget):
+                assert not isinstance(states, Exception), states
+                writer.submit([ds.job(sample, states)])
         for first in range(0, 0 if streaming else len(ds.todo), size):
             part = ds.todo[first:first + size]
             # as examples/*/extract_hidden_states.py: views of the worker's staging file, written from there

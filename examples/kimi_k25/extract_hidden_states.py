@@ -5,7 +5,7 @@ here is specific to Kimi-K2.5: the same command extracts Llama, Qwen, DeepseekV3
 See README.md next to this file and docs/dataset.md.
 
     python extract_hidden_states.py --model-path /models/Kimi-K2.5 --prepared-data data.jsonl \
-        --output-dir hs/ --tp-size 8 --layer-ids 2 30 58 60 --batch-size 2 --max-seq-len 2048
+        --output-dir hs/ --tp-size 8 --layer-ids 2 30 58 60 --max-seq-len 2048
 
 Exit status: 0 every sample has its file; 1 some samples failed, the engine failed or the disk
 filled up (finished files are kept: re-run to resume); 2 refused before any engine started or

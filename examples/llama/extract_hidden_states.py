@@ -2,7 +2,7 @@
 examples/kimi_k25/extract_hidden_states.py, which holds nothing model-specific.
 
     python examples/llama/extract_hidden_states.py --model-path /models/Llama-3.1-8B-Instruct \
-        --prepared-data data.jsonl --output-dir hs/ --tp-size 1 --batch-size 8 --max-seq-len 4096
+        --prepared-data data.jsonl --output-dir hs/ --tp-size 1 --max-seq-len 4096
 
 ``--layer-ids`` defaults to speculators' choice ``[2, L//2, L-3, L-1]`` (32 layers: 2 16 29 31).
 For the tokenization step use examples/kimi_k25/prepare_data.py (drop ``--trust-remote-code``).
