@@ -534,8 +534,28 @@ def test_format_speculators_is_read_by_speculators_own_loaders(shared):
     assert sorted(p.name for p in out.iterdir() if p.name.endswith("pt")) == [f"data_{i}.pt" for i in range(4)]
     assert (out / "data_config.json").is_file() and (out / "sample_lengths.json").is_file()
     assert Path(str(out) + ".token_freq.pt").is_file()
+    assert_read_by_speculators_loaders(shared, out, 4)
+
+
+def test_export_to_speculators_04_is_read_by_speculators_own_loaders(shared):
+    """``speccompat export --to speculators-0.4`` of the driver's safetensors set: every sample, the
+    side files speculators' own script writes, tensor-equal to the engine's states for its loaders."""
+    out = shared.root / "exported-0.4"
+    proc = subprocess.run([sys.executable, "-m", "speccompat", "export", str(shared.out), "--to", "speculators-0.4",
+                           str(out)], capture_output=True, text=True, env=_env("0.4.0.1"), timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    n = len(manifest(shared.out)[1])
+    assert sorted(p.name for p in out.iterdir() if p.name.endswith("pt")) == sorted(f"data_{i}.pt" for i in range(n))
+    assert (out / "data_config.json").is_file() and (out / "sample_lengths.json").is_file()
+    assert_read_by_speculators_loaders(shared, out, n)
+
+
+def assert_read_by_speculators_loaders(shared, out: Path, n: int) -> None:
+    """``verify`` passes and speculators 0.3.0/0.4.0.1's own loaders read ``out``'s ``n`` samples as the
+    engine's states in the shared run's safetensors files."""
     assert verify(out).returncode == 0
     _, entries = manifest(out)
+    assert len(entries) == n
     import torch
 
     for version in ("0.3.0", "0.4.0.1"):
@@ -545,7 +565,7 @@ def test_format_speculators_is_read_by_speculators_own_loaders(shared):
                            capture_output=True, text=True, env=_env(version), timeout=300, cwd=REPO)
         assert r.returncode == 0, r.stderr[-3000:]
         got = json.loads(r.stdout.strip().splitlines()[-1])
-        assert len(got) == 4
+        assert len(got) == n
         for sample_id, e in entries.items():
             ref, _ = load_sample(shared.file_of(sample_id))  # the same engine's safetensors file
             mask = ref["loss_mask"].tolist() if "loss_mask" in ref else [1] * len(ref["input_ids"])
