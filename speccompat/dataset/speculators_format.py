@@ -35,6 +35,11 @@ def default_token_freq_path(out_dir: Path) -> Path:
 def _data_config(entries: list[dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
     from importlib.metadata import version
 
+    import speccompat
+
+    # `speccompat export`/`merge` run without the driver: speculators' import needs apply()'s fixes
+    # (its pydantic models name `torch` in annotations they cannot resolve otherwise); idempotent.
+    speccompat.apply()
     from speculators.data_generation import config_generator as cg
 
     prov, extra = info["provenance"], info.get("extra") or {}
