@@ -321,6 +321,35 @@ def test_a_changed_input_is_refused_by_every_shard(world):
         open_shard(out, changed, prov, ShardSpec(2, 1, "t"))
 
 
+def test_a_header_without_samples_takes_the_corrected_command_in_every_shard(world):
+    """Shards whose engines did not start leave only the header (manifest.header.json, parts without
+    entries): the corrected command is taken, also with another number of shards, and the parts merge.
+    Once one sample exists, a differing setting is refused, naming it."""
+    from speccompat.dataset import verify_dataset
+
+    root, model, data, samples = world
+    out = root / "out"
+    failed = provenance(model, dtype="float16", max_seq_len=48)
+    for k in range(3):  # three engines that did not start: headers, no sample
+        open_shard(out, samples, failed, ShardSpec(3, k, "t")).close()
+    assert json.loads((out / HEADER_NAME).read_text())["provenance"]["max_seq_len"] == 48
+    prov = provenance(model)
+    first = run_shard(out, samples, prov, 0, 2, batches=1)
+    assert first.done == 0 and len(first.todo) == sum(shard_of(s.id, 2) == 0 for s in samples)
+    head = json.loads((out / HEADER_NAME).read_text())
+    assert head["provenance"]["hidden_states"]["dtype"] == "bfloat16" and head["provenance"]["max_seq_len"] == 64
+    # a sample exists now: the failed run's settings are refused by every shard, each difference named
+    for k, n in ((1, 2), (2, 3)):
+        with pytest.raises(Rejected, match=r'(?s)hidden_states.dtype: "bfloat16" -> "float16".*max_seq_len: 64 -> 48'):
+            open_shard(out, samples, failed, ShardSpec(n, k, "t"))
+    run_shard(out, samples, prov, 0, 2)
+    run_shard(out, samples, prov, 1, 2)
+    res = merge_dataset(out)
+    assert res.problems == [] and res.entries == len(samples) and len(res.parts) == 5
+    assert verify_dataset(out) == ([], len(samples))
+    assert check_inputs(out, data) == ([], len(samples))
+
+
 def test_speculators_layout_shards_keep_global_file_indices(world):
     root, model, data, samples = world
     prov = provenance(model, layout="speculators")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -38,10 +39,19 @@ from typing import Any
 
 from . import provenance as prov_mod
 from .checksum import default_algorithm, digest_fn
-from .directory import HEADER_NAME, PART_LOCK_RE, PART_RE, DatasetDir, part_lock_name, part_name, plan_resume
+from .directory import (
+    HEADER_LOCK_NAME,
+    HEADER_NAME,
+    PART_LOCK_RE,
+    PART_RE,
+    DatasetDir,
+    part_lock_name,
+    part_name,
+    plan_resume,
+)
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, DatasetError, Rejected
 from .formats import layout_named
-from .fsutil import LOCK_NAME, fsync_dir, human
+from .fsutil import LOCK_NAME, fsync_dir, human, write_atomic
 from .inputs import Sample
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .store import OpenDataset, differences, expected_bytes, refuse_differences, run_facts, run_info
@@ -171,6 +181,24 @@ def _stored(ddir: DatasetDir, own: Manifest) -> tuple[list[Manifest], dict[str, 
     return manifests, by_id
 
 
+def _header_differences(stored_header: dict[str, Any], provenance: dict[str, Any]) -> list[str]:
+    diffs = []
+    if stored_header.get("speccompat_dataset") != SCHEMA_VERSION:
+        diffs.append(f"manifest schema {stored_header.get('speccompat_dataset')} -> {SCHEMA_VERSION}")
+    return diffs + differences(stored_header, provenance, [], {})
+
+
+def _no_sample_yet(ddir: DatasetDir, layout: Any, stored_header: dict[str, Any], manifests: list[Manifest]) -> bool:
+    """No manifest of the directory has an entry and no file of this run's layout or the stored
+    header's is there: the directory holds only headers of runs that wrote no sample."""
+    if any(m.entries for m in manifests):
+        return False
+    layouts = [layout]
+    with contextlib.suppress(ValueError, Rejected):
+        layouts.append(layout_named(str(stored_header.get("layout"))))
+    return not any(lay.is_sample_file(n) for n in ddir.names() for lay in layouts)
+
+
 def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], shard: ShardSpec, *,
                overwrite: bool = False, check_threads: int = 4, speculators_version: str | None = None,
                extra: dict[str, Any] | None = None) -> Any:
@@ -189,6 +217,9 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
         dir_lock = stack.enter_context(ddir.lock(LOCK_NAME, exclusive=False, busy=(
             f"{out_dir} is held by an unsharded extraction or a `speccompat merge` (only shards can run beside "
             "shards)")))
+        # one shard at a time decides on the shared header (and writes it into its part): a part lock
+        # held by another shard then means that shard runs with the header it found
+        header_lock = stack.enter_context(ddir.lock(HEADER_LOCK_NAME, wait=True))
         part_lock = stack.enter_context(ddir.lock(part_lock_name(K, N), busy=f"shard {K} of {N} is already running "
                                                   f"on {out_dir}"))
         if ddir.interrupted_overwrite():
@@ -205,19 +236,33 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
         # the shared header: manifest.jsonl's when there is one, else manifest.header.json
         base = next((m for m in manifests if m.path.name == MANIFEST_NAME and m.header is not None), None)
         stored_header = base.header if base is not None else None
+        fresh = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": default_algorithm(),
+                 "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance)}
         if stored_header is None:
-            fresh = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": default_algorithm(),
-                     "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance)}
             stored_header = ddir.shared_header(fresh)
-        diffs = []
-        if stored_header.get("speccompat_dataset") != SCHEMA_VERSION:
-            diffs.append(f"manifest schema {stored_header.get('speccompat_dataset')} -> {SCHEMA_VERSION}")
-        diffs += differences(stored_header, provenance, samples, by_id)
+        diffs = _header_differences(stored_header, provenance)
+        diffs += differences(None, provenance, samples, by_id)
+        # a part without entries says nothing about the samples: only parts that hold some must agree
         for m in [own, *manifests]:
-            if m.header is not None and m.header.get("provenance_sha256") != stored_header.get("provenance_sha256"):
+            if m.header is not None and m.entries and \
+                    m.header.get("provenance_sha256") != stored_header.get("provenance_sha256"):
                 diffs.append(f"{m.path.name}: made with another provenance: " + "; ".join(
                     prov_mod.differences(m.header.get("provenance") or {}, provenance)[:3]))
-        refuse_differences(out_dir, diffs, "Use another --output-dir")
+        running = [n for n in ddir.names() if PART_LOCK_RE.match(n) and n != part_lock_name(K, N) and ddir.held(n)]
+        if diffs and not running and _no_sample_yet(ddir, layout, stored_header, [own, *manifests]):
+            # Every earlier shard stopped before its first sample (e.g. its engine did not start) and
+            # left only the header: nothing can be mixed or lost, so this command's settings replace it.
+            logger.info("%s holds no sample yet, only the header of an earlier run that wrote none; this run's "
+                        "settings replace it (%s)", out_dir, "; ".join(diffs[:3]))
+            if base is not None:
+                base.header = fresh
+                base.rewrite()
+            else:
+                write_atomic(ddir.path(HEADER_NAME), (json.dumps(fresh, ensure_ascii=False) + "\n").encode())
+            stored_header, diffs = fresh, []
+        refuse_differences(out_dir, diffs, "Use another --output-dir" + (
+            f" ({len(running)} other shard(s) are running with the stored settings: {', '.join(running[:3])})"
+            if running else ""))
         checksum = stored_header.get("checksum")
         try:
             digest = digest_fn(checksum)
@@ -229,6 +274,11 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
         own.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": checksum,
                       "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance),
                       "run": run_info(extra)}
+        try:
+            own.rewrite()
+        except OSError as exc:
+            raise Rejected(f"cannot write {own.path}: {exc.strerror}") from None
+        header_lock.close()
 
         # leftovers of this shard's own interrupted writes (other shards may be writing theirs now)
         plan = plan_resume(ddir, own, samples, mine, by_id, layout, digest, index=K, num_shards=N,
@@ -280,7 +330,9 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
             return MergeResult([] if base.header is not None else
                                [base.header_problem or f"{out_dir}: neither {MANIFEST_NAME} nor manifest parts: "
                                 "not a data set"], len(base.entries), [])
-        ref = base.header or next((m.header for m in parts if m.header is not None), None) or shared
+        # the data set's header: manifest.jsonl's, else that of a part holding entries, else the shared one
+        ref = base.header or next((m.header for m in parts if m.header is not None and m.entries), None) or shared \
+            or next((m.header for m in parts if m.header is not None), None)
         problems: list[str] = []
         for m in sources:
             problems += [f"{p} (dropped)" for p in m.problems]
@@ -288,7 +340,7 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
             return MergeResult([*problems, "no manifest part has a header"], 0, names)
         for m in sources:
             h = m.header
-            if h is None:
+            if h is None or not m.entries:  # a part without entries: a shard that wrote no sample
                 if m.entries:
                     problems.append(f"{m.path.name}: entries but no header")
                 continue
@@ -334,7 +386,7 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
         for n in [*names, HEADER_NAME]:
             ddir.unlink(n)
         for n in ddir.names():
-            if PART_LOCK_RE.match(n):
+            if PART_LOCK_RE.match(n) or n == HEADER_LOCK_NAME:
                 ddir.unlink(n)
         fsync_dir(out_dir)
         logger.info("merged %d manifest part(s) into %s: %d entries", len(names), out.path, len(merged))
