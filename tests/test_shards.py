@@ -108,9 +108,11 @@ def test_shards_from_slurm_arrays_rank_world_size_with_auto_and_from_flags():
 # ---------------------------------------------------------------------------------------------
 
 
-def run_shard(out: Path, samples, prov, k: int, n: int, *, batches: int | None = None, batch: int = 2, seed: int = 0):
-    """One shard as the driver runs it, with fake results; ``batches``: stop after that many."""
-    ds = open_shard(out, samples, prov, ShardSpec(n, k, "test"))
+def run_shard(out: Path, samples, prov, k: int, n: int, *, batches: int | None = None, batch: int = 2, seed: int = 0,
+              command: str | None = None):
+    """One shard as the driver runs it, with fake results; ``batches``: stop after that many;
+    ``command``: the command its header records (default: this process's)."""
+    ds = open_shard(out, samples, prov, ShardSpec(n, k, "test"), extra={"command": command} if command else None)
     writer = ds.writer(threads=2)
     todo = ds.todo[: None if batches is None else batches * batch]
     try:
@@ -133,6 +135,16 @@ def run_single(out: Path, samples, prov):
             w.submit([ds.job(s, states(s)) for s in ds.todo[first:first + 2]])
     ds.lock.close()
     return ds
+
+
+def same_as_one_run(out: Path, single: Path, shards: int) -> None:
+    """The merged manifest equals one run's, byte for byte, but for the header's record of what made
+    it: the same command, merged from ``shards`` shards."""
+    merged, one = [(d / "manifest.jsonl").read_bytes().splitlines() for d in (out, single)]
+    assert merged[1:] == one[1:]
+    head, ref = json.loads(merged[0]), json.loads(one[0])
+    assert head["run"] == {**ref["run"], "merged_from": {"shards": shards, "commands": [ref["run"]["command"]]}}
+    assert {**head, "run": None} == {**ref, "run": None}
 
 
 def files_of(out: Path) -> dict[str, bytes]:
@@ -180,7 +192,7 @@ def test_two_shards_write_parts_and_their_merge_equals_one_run(world):
     assert not [p for p in out.iterdir() if p.name.startswith(".speccompat-shard-")]
     # the same bytes as one run: every sample file and the manifest (entries in input order)
     assert files_of(out) == files_of(single)
-    assert (out / "manifest.jsonl").read_bytes() == (single / "manifest.jsonl").read_bytes()
+    same_as_one_run(out, single, 2)
     problems, n = verify_dataset(out)
     assert problems == [] and n == len(samples)
     assert check_inputs(out, data) == ([], len(samples))
@@ -263,7 +275,7 @@ def test_resharding_two_to_three_skips_every_finished_sample_and_redoes_a_corrup
     res = merge_dataset(out)  # the old part's entry of the victim is stale: the file decides
     assert res.problems == [] and res.entries == len(samples)
     assert files_of(out) == files_of(single)
-    assert (out / "manifest.jsonl").read_bytes() == (single / "manifest.jsonl").read_bytes()
+    same_as_one_run(out, single, 5)
     assert check_inputs(out, data) == ([], len(samples))
     # and a sharded run on the merged data set has nothing to do
     assert [len(run_shard(out, samples, prov, k, 4).todo) for k in range(4)] == [0, 0, 0, 0]
@@ -348,6 +360,43 @@ def test_a_header_without_samples_takes_the_corrected_command_in_every_shard(wor
     assert res.problems == [] and res.entries == len(samples) and len(res.parts) == 5
     assert verify_dataset(out) == ([], len(samples))
     assert check_inputs(out, data) == ([], len(samples))
+
+
+def test_the_merged_set_records_the_job_command_and_its_shards(world, capsys):
+    """After a merge the header's ``run`` is no longer one shard's: it names the job's command (the
+    shards' without --shard-index, or the one the job gives), the shards' commands and their number;
+    a second merge (more shards later) keeps the first one's."""
+    from speccompat.cli import main
+    from speccompat.dataset import verify_dataset
+
+    root, model, data, samples = world
+    prov = provenance(model)
+    out = root / "out"
+    job = "extract_hidden_states.py --model-path m --output-dir out --num-shards 3"
+    for k in range(3):
+        flag = f"--shard-index {k}" if k != 1 else f"--shard-index={k}"
+        run_shard(out, samples, prov, k, 3, command=f"extract_hidden_states.py --model-path m {flag} --output-dir out"
+                                                     " --num-shards 3")
+    heads = [json.loads(p.read_text().splitlines()[0])["run"]["command"] for p in find_parts(out)]
+    assert len(set(heads)) == 3  # each shard recorded its own command
+    assert main(["merge", str(out), "--inputs", str(data)]) == 0
+    head = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
+    assert head["run"]["command"] == job
+    assert head["run"]["merged_from"] == {"shards": 3, "commands": [job]}
+    assert verify_dataset(out) == ([], len(samples))
+    # more samples, a second job of 2 shards (another command), merged again: both jobs are named
+    added = [{"id": f"new{i}", "input_ids": [5, 6, i + 4]} for i in range(6)]
+    grown = scan(jsonl(root / "grown.jsonl", [json.loads(x) for x in data.read_text().splitlines()] + added))
+    other = "extract_hidden_states.py --model-path m --output-dir out --num-shards 2 --batch-size 4"
+    for k in range(2):
+        run_shard(out, grown, prov, k, 2, command=f"{other} --shard-index {k}")
+    res = merge_dataset(out)
+    assert res.problems == [] and res.entries == len(grown)
+    head = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
+    assert head["run"]["merged_from"] == {"shards": 5, "commands": [job, other]}
+    assert head["run"]["command"] == f"{job}; {other}"
+    assert verify_dataset(out) == ([], len(grown))
+    capsys.readouterr()
 
 
 def test_speculators_layout_shards_keep_global_file_indices(world):

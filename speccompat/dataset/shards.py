@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -308,10 +309,44 @@ class MergeResult:
     parts: list[str]
 
 
-def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
+#: ``--shard-index K`` (or ``=K``) in a recorded command: what tells one shard's command from the job's.
+_SHARD_INDEX = re.compile(r"\s--shard-index(?:=|\s+)\S+")
+
+
+def job_command(command: str) -> str:
+    """A shard's recorded command without its ``--shard-index``: the job's command."""
+    return _SHARD_INDEX.sub("", command)
+
+
+def merged_run(sources: list[Manifest], parts: int, command: str | None = None) -> dict[str, Any]:
+    """The ``run`` record of a merged header: the run facts of the first source with entries, the
+    distinct commands of the sources (each without ``--shard-index``; those of an earlier merge
+    included), ``command``: the given job's command, else the one command they share (else all,
+    ``; ``-separated), and ``merged_from``: how many shards (manifest parts) were merged."""
+    runs = [(m.header or {}).get("run") for m in sources if m.header is not None and m.entries]
+    runs = [r for r in runs if isinstance(r, dict)]
+    commands: list[str] = []
+    shards = parts
+    for r in runs:
+        before = r.get("merged_from")
+        if isinstance(before, dict):
+            shards += int(before.get("shards") or 0)
+            found = [c for c in before.get("commands") or [] if isinstance(c, str)]
+        else:
+            found = [job_command(r["command"])] if isinstance(r.get("command"), str) else []
+        commands += [c for c in found if c not in commands]
+    run = {k: v for k, v in (runs[0] if runs else {}).items() if k not in ("command", "merged_from")}
+    run["command"] = command or "; ".join(commands)
+    run["merged_from"] = {"shards": shards, "commands": commands}
+    return run
+
+
+def merge_dataset(out_dir: Path, threads: int = 4, *, command: str | None = None) -> MergeResult:
     """Join the manifest parts of ``out_dir`` (and its ``manifest.jsonl``) into one ``manifest.jsonl``;
     raises :class:`Rejected` while a shard is running. Returns the join's problems (nothing is
-    written when the parts disagree on provenance); verify the result with ``verify_dataset``."""
+    written when the parts disagree on provenance); verify the result with ``verify_dataset``.
+    The merged header's ``run`` says what made the set (:func:`merged_run`; ``command``: the job's
+    command, when the caller is the job)."""
     ddir = DatasetDir(out_dir)
     out_dir = ddir.root
     if not out_dir.is_dir():
@@ -379,7 +414,7 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
                                 "it is left out (a re-run redoes it)")
         merged.sort(key=lambda e: (e["line"], str(e["id"])))
         out = Manifest(out_dir)
-        out.header = ref
+        out.header = {**ref, "run": merged_run(sources, len(names), command)}
         out.entries = {e["file"]: e for e in merged}
         out.rewrite()
         fsync_dir(out_dir)
@@ -522,13 +557,13 @@ def check_present(out_dir: Path) -> list[str]:
 
 
 def finish_job(out_dir: Path, inputs: Path, *, limit: int | None = None, token_freq_path: Path | None = None,
-               extra: dict[str, Any] | None = None) -> int:
+               extra: dict[str, Any] | None = None, command: str | None = None) -> int:
     """After every shard of a job succeeded: merge the parts, check that every input sample is
     present once (and every file with its size; each shard checked what it skipped and wrote the
     rest with checksums, so no file is read again: ``speccompat verify`` does that), and write the
     layout's side files (the one finish path). 0 when all is well, 1 otherwise."""
     out_dir = Path(out_dir)
-    res = merge_dataset(out_dir)
+    res = merge_dataset(out_dir, command=command)
     problems = list(res.problems)
     if (out_dir / MANIFEST_NAME).is_file():
         problems += check_present(out_dir)
