@@ -444,30 +444,116 @@ def test_run_local_reports_every_child_and_the_worst_status(capfd):
     err = capfd.readouterr().err
     for k in range(3):
         assert f"[engine {k}] progress: 3/3 samples t{k}" in err
-    assert [(r.done, r.todo) for r in runs] == [(3, 3)] * 3
+    # progress comes from the data set, never from what an engine prints: these have no shard
+    assert [(r.done, r.samples) for r in runs] == [(0, None)] * 3
+
+
+def test_the_jobs_progress_is_read_from_the_manifest_parts(world):
+    """Each shard's part says how many samples it owns and how many were done when it opened; each
+    entry appended after is one more. Read as the part grows: a torn last line is not yet, a part
+    rewritten by a shard that reopens is read anew, a re-shard counts what the earlier split did."""
+    from speccompat.parallel import DataSetProgress, EngineRun
+
+    root, model, _data, samples = world
+    prov = provenance(model)
+    out = root / "out"
+    mine = {k: [s for s in samples if shard_of(s.id, 2) == k] for k in range(2)}
+    runs = [EngineRun(f"engine {k}", [], shard=(k, 2)) for k in range(2)]
+    progress = DataSetProgress(out)
+    progress.update(runs)  # nothing opened yet: nothing known
+    assert [(r.done, r.samples) for r in runs] == [(0, None), (0, None)]
+    run_shard(out, samples, prov, 0, 2, batches=2)  # 4 samples, then the engine stops
+    progress.update(runs)
+    assert [(r.done, r.samples) for r in runs] == [(4, len(mine[0])), (0, None)]
+    part = out / part_name(0, 2)
+    line = part.read_text().splitlines()[-1]
+    entry = json.loads(line)
+    extra = json.dumps({**entry, "id": "another", "file": "another.safetensors"}) + "\n"
+    with open(part, "a") as f:  # a line being appended: half of it is there
+        f.write(extra[:40])
+    progress.update(runs)
+    assert runs[0].done == 4
+    with open(part, "a") as f:
+        f.write(extra[40:])
+    progress.update(runs)
+    assert runs[0].done == 5
+    # shard 0 opens again: its part is compacted (the entry without a file dropped) and read anew
+    held = open_shard(out, samples, prov, ShardSpec(2, 0, "t"))
+    progress.update(runs)
+    assert (runs[0].done, runs[0].samples) == (4, len(mine[0])) and len(held.todo) == len(mine[0]) - 4
+    held.close()
+    run_shard(out, samples, prov, 0, 2)
+    run_shard(out, samples, prov, 1, 2, batches=1)
+    progress.update(runs)
+    assert [(r.done, r.samples) for r in runs] == [(len(mine[0]), len(mine[0])), (2, len(mine[1]))]
+    # a re-shard into 3: each new shard starts with what the 2-split finished of its samples
+    finished = {json.loads(x)["id"] for k in range(2) for x in (out / part_name(k, 2)).read_text().splitlines()[1:]}
+    three = [EngineRun(f"engine {k}", [], shard=(k, 3)) for k in range(3)]
+    for k in range(3):
+        open_shard(out, samples, prov, ShardSpec(3, k, "t")).close()
+    DataSetProgress(out).update(three)
+    want = [sum(shard_of(s.id, 3) == k and s.id in finished for s in samples) for k in range(3)]
+    assert [r.done for r in three] == want and sum(want) == len(finished)
+    assert [r.samples for r in three] == [sum(shard_of(s.id, 3) == k for s in samples) for k in range(3)]
+    # the merged set's header keeps no shard's progress facts
+    for k in range(3):
+        run_shard(out, samples, prov, k, 3)
+    assert merge_dataset(out).problems == []
+    assert "shard" not in json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
 
 
 def test_launcher_gives_each_engine_its_shard_and_gpus(monkeypatch, tmp_path):
-    import argparse
-
+    """One job (ExtractConfig) -> one config per engine -> its command: the flags parse back to that
+    engine's config (shard k of N*D, a single engine), and progress is read from the data set."""
     from speccompat import parallel
+    from speccompat.dataset.extract import ExtractConfig, parse_args
 
     seen = []
-    monkeypatch.setattr(parallel, "run_local", lambda runs: seen.extend(runs) or [0] * len(runs))
+
+    def run_local(runs, progress=None):
+        seen.extend(runs)
+        progress(runs)  # the data set's progress: no part yet, nothing known
+        return [0] * len(runs)
+
+    monkeypatch.setattr(parallel, "run_local", run_local)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
-    for k in ("SLURM_ARRAY_TASK_ID", "RANK", "WORLD_SIZE"):
+    for k in ("SLURM_ARRAY_TASK_ID", "RANK", "WORLD_SIZE", "RAY_ADDRESS"):
         monkeypatch.delenv(k, raising=False)
-    args = argparse.Namespace(num_shards=3, shard_index=1, data_parallel_size=4, tp_size=2, ray=False,
-                              output_dir=tmp_path / "o", prepared_data=tmp_path / "d.jsonl", limit=None)
-    argv = ["--model-path", "m", "--tp-size", "2", "--data-parallel-size", "4", "--num-shards", "3",
-            "--shard-index", "1"]
-    assert parallel.launch_engines(args, argv, Path("/x/drv.py")) == 0
+    cfg = ExtractConfig(model_path="m", prepared_data=tmp_path / "d.jsonl", output_dir=tmp_path / "o", tp_size=2,
+                        data_parallel_size=4, num_shards=3, shard_index=1, layer_ids=[1, 3], progress=False)
+    assert parallel.launch_engines(cfg, Path("/x/drv.py")) == 0
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in seen] == ["0,1", "2,3", "4,5", "6,7"]
     for d, r in enumerate(seen):
-        a = r.argv
-        assert a[:2] == [sys.executable, "/x/drv.py"]
-        # argparse keeps the last value: the engine's shard of the 12
-        assert a[-6:] == ["--num-shards", "12", "--shard-index", str(4 + d), "--data-parallel-size", "1"]
+        assert r.argv[:2] == [sys.executable, "/x/drv.py"] and r.shard == (4 + d, 12)
+        got = ExtractConfig.from_args(parse_args(r.argv[2:]))
+        assert got == ExtractConfig(model_path="m", prepared_data=tmp_path / "d.jsonl", output_dir=tmp_path / "o",
+                                    tp_size=2, num_shards=12, shard_index=4 + d, layer_ids=[1, 3], progress=False)
+        assert "--data-parallel-size" not in r.argv and "--shard-index" in r.argv  # a single engine, its shard
+        assert (r.done, r.samples) == (0, None)
+
+
+def test_a_config_and_its_flags_are_one_another(monkeypatch, tmp_path):
+    """ExtractConfig.to_argv gives the flags that parse back to the same config, every field set."""
+    import dataclasses
+
+    from speccompat.dataset.extract import ExtractConfig, parse_args
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    changed = dict(format="speculators", batch_size=5, max_seq_len=77, tp_size=4, gpu_memory_utilization=0.25,
+                   layer_ids=[2, 5, 9], limit=11, overwrite=True, dtype="float16", on_bad_line="skip",
+                   on_long_line="skip", writer_threads=3, max_in_flight_gb=2.5, token_freq_path=tmp_path / "f.pt",
+                   log_level="DEBUG", num_shards="auto", data_parallel_size=2, engines_per_gpu=2, ray=True,
+                   ray_address="h:6379", progress=False)
+    base = ExtractConfig(model_path="org/model", prepared_data=tmp_path / "d.jsonl", output_dir=tmp_path / "o")
+    assert {f.name for f in dataclasses.fields(ExtractConfig)} - set(changed) == \
+        {"model_path", "prepared_data", "output_dir", "shard_index"}  # every other field is changed here
+    cfg = dataclasses.replace(base, **changed)
+    assert ExtractConfig.from_args(parse_args(cfg.to_argv())) == cfg
+    assert ExtractConfig.from_args(parse_args(base.to_argv())) == base
+    assert base.to_argv() == ["--model-path", "org/model", "--prepared-data", str(tmp_path / "d.jsonl"),
+                              "--output-dir", str(tmp_path / "o")]  # the defaults are not repeated
+    one = dataclasses.replace(base, num_shards=3, shard_index=2)
+    assert ExtractConfig.from_args(parse_args(one.to_argv())) == one
 
 
 def test_speccompat_merge_command_exit_statuses(world, capsys):

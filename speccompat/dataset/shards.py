@@ -218,8 +218,8 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
         dir_lock = stack.enter_context(ddir.lock(LOCK_NAME, exclusive=False, busy=(
             f"{out_dir} is held by an unsharded extraction or a `speccompat merge` (only shards can run beside "
             "shards)")))
-        # one shard at a time decides on the shared header (and writes it into its part): a part lock
-        # held by another shard then means that shard runs with the header it found
+        # one shard at a time decides on the shared header: a part lock held by another shard then
+        # means that shard runs with the header it found
         header_lock = stack.enter_context(ddir.lock(HEADER_LOCK_NAME, wait=True))
         part_lock = stack.enter_context(ddir.lock(part_lock_name(K, N), busy=f"shard {K} of {N} is already running "
                                                   f"on {out_dir}"))
@@ -275,15 +275,19 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
         own.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": checksum,
                       "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance),
                       "run": run_info(extra)}
-        try:
-            own.rewrite()
-        except OSError as exc:
-            raise Rejected(f"cannot write {own.path}: {exc.strerror}") from None
         header_lock.close()
 
         # leftovers of this shard's own interrupted writes (other shards may be writing theirs now)
         plan = plan_resume(ddir, own, samples, mine, by_id, layout, digest, index=K, num_shards=N,
                            check_threads=check_threads, what="of this shard against the manifests")
+        # what the job's progress is read from (speccompat.parallel.DataSetProgress): the shard's
+        # samples, those done now, and the entries the part holds now (each one appended after is one more)
+        own.header["shard"] = {"index": K, "num_shards": N, "samples": len(mine), "done": len(plan.done_ids),
+                               "entries": len(own.entries)}
+        try:
+            own.rewrite()
+        except OSError as exc:
+            raise Rejected(f"cannot write {own.path}: {exc.strerror}") from None
         ddir.remove_leftovers(set(plan.files.values()))
         need = expected_bytes(plan.todo, len(layer_ids), hidden, dtype)
         free = ddir.free()
@@ -414,7 +418,7 @@ def merge_dataset(out_dir: Path, threads: int = 4, *, command: str | None = None
                                 "it is left out (a re-run redoes it)")
         merged.sort(key=lambda e: (e["line"], str(e["id"])))
         out = Manifest(out_dir)
-        out.header = {**ref, "run": merged_run(sources, len(names), command)}
+        out.header = {**{k: v for k, v in ref.items() if k != "shard"}, "run": merged_run(sources, len(names), command)}
         out.entries = {e["file"]: e for e in merged}
         out.rewrite()
         fsync_dir(out_dir)
