@@ -362,6 +362,64 @@ def test_a_header_without_samples_takes_the_corrected_command_in_every_shard(wor
     assert check_inputs(out, data) == ([], len(samples))
 
 
+def test_shards_starting_together_after_a_failed_start_take_the_corrected_settings_one_at_a_time(world, monkeypatch):
+    """A shard that would replace the header waits for the header lock and holds no part lock while
+    it waits, so shards of the corrected command starting together all start; a shard that read the
+    old header just before it was replaced is refused; one running with the old settings keeps them."""
+    import threading
+    import time
+
+    from speccompat.dataset.directory import HEADER_LOCK_NAME, DatasetDir, part_lock_name
+
+    root, model, _data, samples = world
+    out = root / "out"
+    failed, prov = provenance(model, max_seq_len=48), provenance(model)
+    for k in range(2):
+        open_shard(out, samples, failed, ShardSpec(2, k, "t")).close()
+    ddir = DatasetDir(out)
+    opened, errors = {}, []
+
+    def start(k):
+        try:
+            opened[k] = open_shard(out, samples, prov, ShardSpec(2, k, "t"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with ddir.lock(HEADER_LOCK_NAME):  # another shard is deciding
+        threads = [threading.Thread(target=start, args=(k,)) for k in range(2)]
+        for t in threads:  # (one after the other: in one process both would probe the directory with one name)
+            t.start()
+            time.sleep(0.3)
+        assert opened == {} and not [k for k in range(2) if ddir.held(part_lock_name(k, 2))]
+    for t in threads:
+        t.join(30)
+    assert errors == [] and sorted(opened) == [0, 1]
+    assert all(d.manifest.header["provenance"]["max_seq_len"] == 64 for d in opened.values())
+    for d in opened.values():
+        d.close()
+    # shard 0 runs with these settings: the failed ones cannot take the set back
+    a = open_shard(out, samples, prov, ShardSpec(2, 0, "t"))
+    with pytest.raises(Rejected, match=r"max_seq_len: 64 -> 48.*\n.*1 shard\(s\) are running with the stored"):
+        open_shard(out, samples, failed, ShardSpec(2, 1, "t"))
+    a.close()
+    # a shard that read the header just before another shard replaced it is refused, not run with it
+    real = DatasetDir.lock
+
+    def lock(self, name, **kw):
+        if name == part_lock_name(1, 2) and not replaced:
+            replaced.append(None)
+            replaced[0] = open_shard(out, samples, failed, ShardSpec(2, 0, "t"))  # replaces it now
+        return real(self, name, **kw)
+
+    replaced: list = []
+    monkeypatch.setattr(DatasetDir, "lock", lock)
+    with pytest.raises(Rejected, match="was replaced by another shard while this one started"):
+        open_shard(out, samples, prov, ShardSpec(2, 1, "t"))
+    assert replaced[0].manifest.header["provenance"]["max_seq_len"] == 48
+    replaced[0].close()
+    assert not ddir.held(part_lock_name(1, 2))  # the refused shard let its locks go
+
+
 def test_the_merged_set_records_the_job_command_and_its_shards(world, capsys):
     """After a merge the header's ``run`` is no longer one shard's: it names the job's command (the
     shards' without --shard-index, or the one the job gives), the shards' commands and their number;

@@ -218,11 +218,6 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
         dir_lock = stack.enter_context(ddir.lock(LOCK_NAME, exclusive=False, busy=(
             f"{out_dir} is held by an unsharded extraction or a `speccompat merge` (only shards can run beside "
             "shards)")))
-        # one shard at a time decides on the shared header: a part lock held by another shard then
-        # means that shard runs with the header it found
-        header_lock = stack.enter_context(ddir.lock(HEADER_LOCK_NAME, wait=True))
-        part_lock = stack.enter_context(ddir.lock(part_lock_name(K, N), busy=f"shard {K} of {N} is already running "
-                                                  f"on {out_dir}"))
         if ddir.interrupted_overwrite():
             raise Rejected(f"{out_dir} holds an interrupted --overwrite: finish it with an unsharded run and "
                            "--overwrite, or use another --output-dir")
@@ -236,33 +231,53 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
 
         # the shared header: manifest.jsonl's when there is one, else manifest.header.json
         base = next((m for m in manifests if m.path.name == MANIFEST_NAME and m.header is not None), None)
-        stored_header = base.header if base is not None else None
         fresh = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": default_algorithm(),
                  "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance)}
-        if stored_header is None:
-            stored_header = ddir.shared_header(fresh)
-        diffs = _header_differences(stored_header, provenance)
-        diffs += differences(None, provenance, samples, by_id)
-        # a part without entries says nothing about the samples: only parts that hold some must agree
-        for m in [own, *manifests]:
-            if m.header is not None and m.entries and \
-                    m.header.get("provenance_sha256") != stored_header.get("provenance_sha256"):
-                diffs.append(f"{m.path.name}: made with another provenance: " + "; ".join(
-                    prov_mod.differences(m.header.get("provenance") or {}, provenance)[:3]))
-        running = [n for n in ddir.names() if PART_LOCK_RE.match(n) and n != part_lock_name(K, N) and ddir.held(n)]
-        if diffs and not running and _no_sample_yet(ddir, layout, stored_header, [own, *manifests]):
+
+        def shared() -> dict[str, Any]:  # read again only while the set holds no sample (a small file)
+            if base is None:
+                return ddir.shared_header(fresh)
+            return ddir.manifest().header or fresh
+
+        def differ(header: dict[str, Any]) -> list[str]:
+            # a part without entries says nothing about the samples: only parts that hold some must agree
+            return _header_differences(header, provenance) + differences(None, provenance, samples, by_id) + [
+                f"{m.path.name}: made with another provenance: "
+                + "; ".join(prov_mod.differences(m.header.get("provenance") or {}, provenance)[:3])
+                for m in [own, *manifests] if m.header is not None and m.entries
+                and m.header.get("provenance_sha256") != header.get("provenance_sha256")]
+
+        busy = f"shard {K} of {N} is already running on {out_dir}"
+        stored_header = base.header if base is not None else shared()
+        diffs = differ(stored_header)
+        running: list[str] = []
+        empty = _no_sample_yet(ddir, layout, stored_header, [own, *manifests])
+        if diffs and empty:
             # Every earlier shard stopped before its first sample (e.g. its engine did not start) and
-            # left only the header: nothing can be mixed or lost, so this command's settings replace it.
-            logger.info("%s holds no sample yet, only the header of an earlier run that wrote none; this run's "
-                        "settings replace it (%s)", out_dir, "; ".join(diffs[:3]))
-            if base is not None:
-                base.header = fresh
-                base.rewrite()
-            else:
-                write_atomic(ddir.path(HEADER_NAME), (json.dumps(fresh, ensure_ascii=False) + "\n").encode())
-            stored_header, diffs = fresh, []
+            # left only the header: nothing can be mixed or lost, so this command's settings replace
+            # it, unless a shard runs with them. One shard at a time decides, and takes its part's
+            # lock before the next one looks: a part lock held is a shard that runs with the header.
+            with ddir.lock(HEADER_LOCK_NAME, wait=True):
+                stored_header = shared()  # as another shard may have left it meanwhile
+                diffs = differ(stored_header)
+                running = [n for n in ddir.names() if PART_LOCK_RE.match(n) and ddir.held(n)]
+                if diffs and not running:
+                    logger.info("%s holds no sample yet, only the header of an earlier run that wrote none; this "
+                                "run's settings replace it (%s)", out_dir, "; ".join(diffs[:3]))
+                    if base is not None:
+                        base.header = fresh
+                        base.rewrite()
+                    else:
+                        write_atomic(ddir.path(HEADER_NAME), (json.dumps(fresh, ensure_ascii=False) + "\n").encode())
+                    stored_header, diffs = fresh, []
+                part_lock = stack.enter_context(ddir.lock(part_lock_name(K, N), busy=busy))
+        else:
+            part_lock = stack.enter_context(ddir.lock(part_lock_name(K, N), busy=busy))
+            if not diffs and empty and shared().get("provenance_sha256") != stored_header.get("provenance_sha256"):
+                raise Rejected(f"the header of {out_dir} was replaced by another shard while this one started "
+                               "(the earlier run had written no sample): run this shard again")
         refuse_differences(out_dir, diffs, "Use another --output-dir" + (
-            f" ({len(running)} other shard(s) are running with the stored settings: {', '.join(running[:3])})"
+            f" ({len(running)} shard(s) are running with the stored settings: {', '.join(running[:3])})"
             if running else ""))
         checksum = stored_header.get("checksum")
         try:
@@ -275,7 +290,6 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
         own.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": checksum,
                       "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance),
                       "run": run_info(extra)}
-        header_lock.close()
 
         # leftovers of this shard's own interrupted writes (other shards may be writing theirs now)
         plan = plan_resume(ddir, own, samples, mine, by_id, layout, digest, index=K, num_shards=N,
