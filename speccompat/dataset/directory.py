@@ -433,7 +433,7 @@ class Plan:
 def plan_resume(ddir: DatasetDir, own: Manifest, samples: list[Any], mine: list[Any],
                 stored: dict[str, list[dict[str, Any]]], layout: Any, digest: Callable[[memoryview], str], *,
                 index: int = 0, num_shards: int = 1, check_threads: int = 4, fresh: bool = False,
-                what: str = "against the manifest") -> Plan:
+                what: str = "against the manifest", annotate: Callable[[Plan], None] | None = None) -> Plan:
     """The resume plan of shard ``index`` of ``num_shards`` (a whole run: 0 of 1).
 
     ``samples`` is the whole input, ``mine`` this shard's samples, ``stored`` the entries of every
@@ -442,7 +442,8 @@ def plan_resume(ddir: DatasetDir, own: Manifest, samples: list[Any], mine: list[
     one is removed and redone. File names: the stored one, else the layout's (by id; or
     ``data_<input index>.pt``), else one no other shard of this split can pick. ``own`` loses the
     entries of failed or missing files and is rewritten (:class:`Rejected` when it cannot be).
-    ``fresh``: nothing stored counts (``--overwrite``)."""
+    ``fresh``: nothing stored counts (``--overwrite``). ``annotate(plan)`` runs before ``own`` is
+    written (a shard records its progress facts in the header)."""
     files: dict[str, str] = {}
     taken = {e["file"] for es in stored.values() for e in es}
     position = {s.id: k for k, s in enumerate(samples)}
@@ -488,8 +489,11 @@ def plan_resume(ddir: DatasetDir, own: Manifest, samples: list[Any], mine: list[
     for f, e in list(own.entries.items()):
         if e["id"] not in done_ids and not os.path.lexists(ddir.path(f)):
             del own.entries[f]
+    plan = Plan(files, done_ids, [s for s in mine if s.id not in done_ids])
+    if annotate is not None:
+        annotate(plan)
     try:
         own.rewrite()
     except OSError as exc:
         raise Rejected(f"cannot write {own.path}: {exc.strerror}") from None
-    return Plan(files, done_ids, [s for s in mine if s.id not in done_ids])
+    return plan

@@ -292,16 +292,15 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
                       "run": run_info(extra)}
 
         # leftovers of this shard's own interrupted writes (other shards may be writing theirs now)
+        def progress_facts(plan: Any) -> None:
+            # what the job's progress is read from (speccompat.parallel.DataSetProgress): the shard's samples,
+            # those done now, and the entries the part holds now (each one appended after is one more)
+            own.header["shard"] = {"index": K, "num_shards": N, "samples": len(mine), "done": len(plan.done_ids),
+                                   "entries": len(own.entries)}
+
         plan = plan_resume(ddir, own, samples, mine, by_id, layout, digest, index=K, num_shards=N,
-                           check_threads=check_threads, what="of this shard against the manifests")
-        # what the job's progress is read from (speccompat.parallel.DataSetProgress): the shard's
-        # samples, those done now, and the entries the part holds now (each one appended after is one more)
-        own.header["shard"] = {"index": K, "num_shards": N, "samples": len(mine), "done": len(plan.done_ids),
-                               "entries": len(own.entries)}
-        try:
-            own.rewrite()
-        except OSError as exc:
-            raise Rejected(f"cannot write {own.path}: {exc.strerror}") from None
+                           check_threads=check_threads, what="of this shard against the manifests",
+                           annotate=progress_facts)
         ddir.remove_leftovers(set(plan.files.values()))
         need = expected_bytes(plan.todo, len(layer_ids), hidden, dtype)
         free = ddir.free()
