@@ -1,22 +1,25 @@
 """Several engines for one extraction: child processes on this host, or Ray actors on a cluster.
 
-Each engine is one run of a driver command for one shard (``--num-shards T --shard-index k``);
-all of them write into the same data set (``speccompat.dataset.shards``: one manifest part per
-shard, merged at the end). :func:`run_local` starts the commands as child processes (GPUs split
-with ``CUDA_VISIBLE_DEVICES``, see :func:`partition_devices`), prefixes their output with the
-engine's name, logs the whole job's progress and returns every exit status. :func:`run_ray` runs
-the same commands inside Ray actors (``num_gpus`` = GPUs per engine) on an existing cluster
-(``ray.init(address=...)``). Ray is an optional extra (``pip install 'speccompat[ray]'``), imported
-only by :func:`run_ray`.
+The job is one ``ExtractConfig`` (``speccompat.dataset.extract``); :func:`launch_engines` turns it
+into one config per engine (``ExtractConfig.engine_configs``: shard k of T each) and each of those
+into the engine's command (``ExtractConfig.to_argv``); all of them write into the same data set
+(``speccompat.dataset.shards``: one manifest part per shard, merged at the end).
+:func:`run_local` starts the commands as child processes (GPUs split with
+``CUDA_VISIBLE_DEVICES``, see :func:`partition_devices`), prefixes their output with the engine's
+name and returns every exit status. :func:`run_ray` runs the same commands inside Ray actors
+(``num_gpus`` = GPUs per engine) on an existing cluster (``ray.init(address=...)``). Ray is an
+optional extra (``pip install 'speccompat[ray]'``), imported only by :func:`run_ray`.
 
-Only the standard library is imported here.
+The job's progress comes from the data set, never from the engines' log text
+(:class:`DataSetProgress`): each shard's manifest part, read as it grows.
+
+Only the standard library is imported at module level (the data-set modules inside functions).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,34 +30,63 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EngineRun", "exit_meaning", "partition_cpus", "partition_devices", "run_local", "run_ray", "worst"]
+__all__ = ["DataSetProgress", "EngineRun", "exit_meaning", "launch_engines", "partition_cpus", "partition_devices",
+           "run_local", "run_ray", "worst"]
 
 logger = logging.getLogger("speccompat.parallel")
 
 #: The whole job's progress at most this often.
 PROGRESS_EVERY_S = 30.0
-#: Lines of a driver's log that say how far its shard is (the example drivers log both).
-_PROGRESS = re.compile(r"progress: (\d+)/(\d+) samples")
-_TODO = re.compile(r"(\d+) to extract")
 
 
 @dataclass
 class EngineRun:
     """One engine of the job: a name for the log, the command (for Ray: its arguments after the
-    Python executable, run with the actor's own interpreter) and environment changes."""
+    Python executable, run with the actor's own interpreter), environment changes, and its shard
+    ``(index, number of shards)``. ``done`` of ``samples``: how far its shard is, from the data set
+    (:class:`DataSetProgress`; ``samples`` None until the shard has opened its part)."""
 
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    shard: tuple[int, int] | None = None
     done: int = 0
-    todo: int | None = None
+    samples: int | None = None
     code: int | None = None
 
-    def feed(self, line: str) -> None:
-        if (m := _PROGRESS.search(line)) is not None:
-            self.done, self.todo = int(m.group(1)), int(m.group(2))
-        elif self.todo is None and (m := _TODO.search(line)) is not None:
-            self.todo = int(m.group(1))
+
+class DataSetProgress:
+    """The engines' progress read from the data set they write: shard K of N's manifest part
+    (``manifest.shard-KKKKK-of-NNNNN.jsonl``) starts with a header that says how many samples the
+    shard owns and how many of them were done when it opened (by any shard, any earlier run), and
+    every entry appended after that is one more sample done. The parts are read as they grow
+    (``Manifest.follow``: read-only, no lock, a line being appended counts once it is whole, a part
+    rewritten by a shard that (re)opens is read anew)."""
+
+    def __init__(self, out_dir: Path | str) -> None:
+        from .dataset.directory import DatasetDir
+
+        self.dir = DatasetDir(out_dir)
+        self._parts: dict[tuple[int, int], Any] = {}
+
+    def update(self, runs: list[EngineRun]) -> None:
+        from .dataset.directory import part_name
+        from .dataset.manifest import Manifest
+
+        for run in runs:
+            if run.shard is None:
+                continue
+            if run.shard not in self._parts:
+                self._parts[run.shard] = Manifest(self.dir.root, self.dir.path(part_name(*run.shard)).name)
+            part = self._parts[run.shard].follow()
+            facts = (part.header or {}).get("shard")
+            if not isinstance(facts, dict) or (facts.get("index"), facts.get("num_shards")) != run.shard:
+                continue  # not opened yet (or a part of an older version): nothing known
+            try:
+                samples, done, entries = int(facts["samples"]), int(facts["done"]), int(facts["entries"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            run.samples, run.done = samples, max(0, min(samples, done + len(part.entries) - entries))
 
 
 def exit_meaning(code: int) -> str:
@@ -118,19 +150,26 @@ def partition_cpus(engines: int, per_engine: int) -> list[str] | None:
     return ["|".join(groups[d * per_engine:(d + 1) * per_engine]) for d in range(engines)]
 
 
-def _log_job(runs: list[EngineRun], started: float) -> None:
-    known = [r for r in runs if r.todo is not None]
-    done = sum(r.done for r in runs)
-    todo = sum(r.todo or 0 for r in known)
+def _log_job(runs: list[EngineRun], started: float, progress: Callable[[list[EngineRun]], None] | None) -> None:
+    if progress is not None:
+        try:
+            progress(runs)
+        except Exception as exc:  # noqa: BLE001 - progress is a report: the engines go on
+            logger.warning("cannot read the job's progress: %s", exc)
+    known = [r for r in runs if r.samples is not None]
+    done = sum(r.done for r in known)
+    total = sum(r.samples or 0 for r in known)
     running = sum(r.code is None for r in runs)
     logger.info("job progress: %d/%s samples extracted by %d engine(s) (%d running), %.0f s", done,
-                todo if len(known) == len(runs) else f"{todo}+", len(runs), running, time.monotonic() - started)
+                total if len(known) == len(runs) else f"{total}+", len(runs), running, time.monotonic() - started)
 
 
-def run_local(runs: list[EngineRun], *, out: Any = None) -> list[int]:
+def run_local(runs: list[EngineRun], *, out: Any = None,
+              progress: Callable[[list[EngineRun]], None] | None = None) -> list[int]:
     """Start every run as a child process, copy its output (prefixed ``[name]``) to ``out``
-    (stderr), log the job's progress, and return the exit statuses once all have ended. SIGTERM
-    or Ctrl-C is passed on to every child (which keeps its finished samples)."""
+    (stderr), log the job's progress (``progress(runs)`` sets each run's ``done``/``samples``,
+    e.g. :meth:`DataSetProgress.update`), and return the exit statuses once all have ended.
+    SIGTERM or Ctrl-C is passed on to every child (which keeps its finished samples)."""
     out = sys.stderr if out is None else out
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
@@ -139,7 +178,6 @@ def run_local(runs: list[EngineRun], *, out: Any = None) -> list[int]:
     def pump(run: EngineRun, proc: subprocess.Popen) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            run.feed(line)
             with lock:
                 out.write(f"[{run.name}] {line}")
                 out.flush()
@@ -176,7 +214,7 @@ def run_local(runs: list[EngineRun], *, out: Any = None) -> list[int]:
                                run.code, exit_meaning(run.code))
             if time.monotonic() - last >= PROGRESS_EVERY_S:
                 last = time.monotonic()
-                _log_job(runs, started)
+                _log_job(runs, started, progress)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -194,7 +232,7 @@ def run_local(runs: list[EngineRun], *, out: Any = None) -> list[int]:
             run.code = p.returncode
             logger.log(logging.INFO if run.code == 0 else logging.ERROR, "%s: exit %d (%s)", run.name, run.code,
                        exit_meaning(run.code))
-    _log_job(runs, started)
+    _log_job(runs, started, progress)
     return [r.code if r.code is not None else 1 for r in runs]
 
 
@@ -202,35 +240,25 @@ class _ShardActor:
     """A Ray actor running one engine's command as a child process of the actor (so an engine
     crash is an exit status, not a lost actor; ``CUDA_VISIBLE_DEVICES`` is the one Ray set)."""
 
-    def __init__(self) -> None:
-        self.run_state = EngineRun("", [])
-
     def run(self, name: str, args: list[str], env: dict[str, str]) -> int:
-        self.run_state = EngineRun(name, [sys.executable, *args], env)
-        proc = subprocess.Popen(self.run_state.argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, *args], env={**os.environ, **env}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1, errors="replace")
         assert proc.stdout is not None
         for line in proc.stdout:
-            self.run_state.feed(line)
             sys.stdout.write(f"[{name}] {line}")
             sys.stdout.flush()
-        self.run_state.code = proc.wait()
-        return self.run_state.code
-
-    def progress(self) -> tuple[int, int | None, str]:
-        import socket
-
-        return self.run_state.done, self.run_state.todo, socket.gethostname()
+        return proc.wait()
 
 
 def run_ray(runs: list[EngineRun], *, address: str | None, gpus_per_engine: float, cpus_per_engine: float = 1.0,
-            on_progress: Callable[[list[EngineRun]], None] | None = None) -> list[int]:
+            progress: Callable[[list[EngineRun]], None] | None = None) -> list[int]:
     """Run each engine's command in a Ray actor with ``gpus_per_engine`` GPUs (a fraction where
     engines share a GPU; 0 on a cluster without GPUs) and return the exit statuses. ``address``: a cluster's address, ``auto`` (the
     one this node belongs to; Ray reads ``RAY_ADDRESS`` itself) or ``local`` (start a
     single-node cluster in this process, for trying things out). ``EngineRun.argv`` is the
     command after the Python executable: the actors run it with their own interpreter, so the
-    script, the model and the output directory must be at the same paths on every node."""
+    script, the model and the output directory must be at the same paths on every node (the
+    driver reads the job's progress from that directory, ``progress`` as in :func:`run_local`)."""
     try:
         import ray
     except ImportError:
@@ -255,7 +283,7 @@ def run_ray(runs: list[EngineRun], *, address: str | None, gpus_per_engine: floa
                            len(runs), gpus_per_engine, gpus)
         actor_cls = ray.remote(num_gpus=gpus_per_engine, num_cpus=cpus_per_engine, max_concurrency=2)(_ShardActor)
         actors = [actor_cls.remote() for _ in runs]
-        refs = {a.run.remote(r.name, r.argv, r.env): (k, a) for k, (a, r) in enumerate(zip(actors, runs, strict=True))}
+        refs = {a.run.remote(r.name, r.argv, r.env): k for k, (a, r) in enumerate(zip(actors, runs, strict=True))}
         for r in runs:
             logger.info("%s: submitted to Ray (%g GPU(s))", r.name, gpus_per_engine)
         pending = list(refs)
@@ -263,10 +291,9 @@ def run_ray(runs: list[EngineRun], *, address: str | None, gpus_per_engine: floa
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=5.0)
             for ref in ready:
-                k, a = refs[ref]
+                k = refs[ref]
                 try:
                     runs[k].code = int(ray.get(ref))
-                    runs[k].done, runs[k].todo, _host = ray.get(a.progress.remote(), timeout=10)
                 except (RayActorError, RayTaskError) as exc:
                     logger.error("%s: its actor failed: %s", runs[k].name, str(exc).splitlines()[0])
                     runs[k].code = 1
@@ -274,63 +301,51 @@ def run_ray(runs: list[EngineRun], *, address: str | None, gpus_per_engine: floa
                            runs[k].code, exit_meaning(runs[k].code))
             if time.monotonic() - last >= PROGRESS_EVERY_S or not pending:
                 last = time.monotonic()
-                for ref in pending:
-                    k, a = refs[ref]
-                    try:
-                        runs[k].done, runs[k].todo, _host = ray.get(a.progress.remote(), timeout=10)
-                    except Exception:  # noqa: BLE001 - a busy or dead actor: its last figures stay
-                        pass
-                if on_progress is not None:
-                    on_progress(runs)
-                _log_job(runs, started)
+                _log_job(runs, started, progress)
         return [r.code if r.code is not None else 1 for r in runs]
     finally:
         ray.shutdown()
 
 
-def _without(argv: list[str], flag: str) -> list[str]:
-    return [a for a in argv if a != flag]
-
-
-def launch_engines(args: Any, argv: list[str], script: Path) -> int:
+def launch_engines(cfg: Any, script: Path) -> int:
     """``speccompat extract --data-parallel-size D`` / ``--ray``: D engines of ``--tp-size`` GPUs,
-    each the same command (``script`` with ``argv``) for one shard. ``args``: the job
-    (``speccompat.dataset.extract.ExtractConfig``, or an object with its attributes). Within a job
-    of N shards given by ``--num-shards``/``--shard-index`` (or SLURM/``RANK``), this process's
-    shard K becomes shards K*D .. K*D+D-1 of N*D. Exit status: the worst engine's; when this
-    process is the whole job (N is 1) and every engine succeeded, the parts are merged and checked
-    against the input."""
+    one shard each. ``cfg``: the job (``speccompat.dataset.extract.ExtractConfig``); each engine
+    runs ``script`` with the flags of its own config (``cfg.engine_configs``: within a job of N
+    shards given by ``--num-shards``/``--shard-index`` (or SLURM/``RANK``), this process's shard K
+    becomes shards K*D .. K*D+D-1 of N*D). The job's progress is read from the data set
+    (:class:`DataSetProgress`). Exit status: the worst engine's; when this process is the whole
+    job (N is 1) and every engine succeeded, the parts are merged (the merged set records this
+    job's command) and checked against the input."""
     from .dataset.errors import Rejected
     from .dataset.shards import resolve_shard
+    from .dataset.store import run_info
 
-    outer = resolve_shard(args.num_shards, args.shard_index)
-    D = args.data_parallel_size
-    share = getattr(args, "engines_per_gpu", 1)
-    memory = getattr(args, "gpu_memory_utilization", None)
-    if share > 1 and memory is not None and memory * share > 1.0:
+    outer = resolve_shard(cfg.num_shards, cfg.shard_index)
+    D = cfg.data_parallel_size
+    share = cfg.engines_per_gpu
+    memory = cfg.gpu_memory_utilization
+    if share > 1 and memory * share > 1.0:
         raise Rejected(f"--engines-per-gpu {share} with --gpu-memory-utilization {memory}: the engines sharing a GPU "
                        f"would ask for {memory * share:.2f} of its memory; give each at most {1 / share:.2f}")
+    engines = cfg.engine_configs(outer)
     total = outer.num_shards * D
-    logger.info("%s; %d engine(s) of %d GPU(s) each%s on %s: shards %d..%d of %d", outer, D, args.tp_size,
-                f", {share} per GPU" if share > 1 else "", "Ray" if args.ray else "this host", outer.index * D,
+    logger.info("%s; %d engine(s) of %d GPU(s) each%s on %s: shards %d..%d of %d", outer, D, cfg.tp_size,
+                f", {share} per GPU" if share > 1 else "", "Ray" if cfg.ray else "this host", outer.index * D,
                 outer.index * D + D - 1, total)
-    base = _without(list(argv), "--ray")
-    runs = []
-    for d in range(D):
-        k = outer.index * D + d
-        tail = [*base, "--num-shards", str(total), "--shard-index", str(k), "--data-parallel-size", "1"]
-        runs.append(EngineRun(f"engine {d} (shard {k} of {total})", [str(script), *tail]))
-    if args.ray:
+    runs = [EngineRun(f"engine {d} (shard {e.shard_index} of {total})", [str(script), *e.to_argv()],
+                      shard=(e.shard_index, total)) for d, e in enumerate(engines)]
+    progress = DataSetProgress(cfg.output_dir).update
+    if cfg.ray:
         try:
-            codes = run_ray(runs, address=args.ray_address, gpus_per_engine=args.tp_size / share)
+            codes = run_ray(runs, address=cfg.ray_address, gpus_per_engine=cfg.tp_size / share, progress=progress)
         except (ImportError, ValueError) as exc:
             raise Rejected(str(exc)) from None
     else:
         try:
-            devices = partition_devices(D, args.tp_size, engines_per_gpu=share)
+            devices = partition_devices(D, cfg.tp_size, engines_per_gpu=share)
         except ValueError as exc:
             raise Rejected(str(exc)) from None
-        cpus = partition_cpus(D, args.tp_size) if devices is None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ \
+        cpus = partition_cpus(D, cfg.tp_size) if devices is None and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ \
             else None
         for d, run in enumerate(runs):
             run.argv = [sys.executable, *run.argv]
@@ -338,7 +353,7 @@ def launch_engines(args: Any, argv: list[str], script: Path) -> int:
                 run.env["CUDA_VISIBLE_DEVICES"] = devices[d]
             if cpus is not None:
                 run.env["VLLM_CPU_OMP_THREADS_BIND"] = cpus[d]
-        codes = run_local(runs)
+        codes = run_local(runs, progress=progress)
     code = worst(codes)
     failed = [r for r in runs if r.code]
     if failed:
@@ -348,16 +363,15 @@ def launch_engines(args: Any, argv: list[str], script: Path) -> int:
         return code
     if outer.num_shards > 1:
         logger.info("this process's %d shard(s) are done; when every shard of the job is: speccompat merge %s "
-                    "--inputs %s", D, args.output_dir, args.prepared_data)
+                    "--inputs %s", D, cfg.output_dir, cfg.prepared_data)
         return code
     from .dataset.shards import finish_job
 
     try:
-        return finish_job(args.output_dir, args.prepared_data, limit=args.limit,
-                          token_freq_path=getattr(args, "token_freq_path", None),
-                          extra={"train_data_path": str(args.prepared_data),
-                                 "gpu_memory_utilization": getattr(args, "gpu_memory_utilization", 0.0),
-                                 "max_samples": args.limit})
+        return finish_job(cfg.output_dir, cfg.prepared_data, limit=cfg.limit, token_freq_path=cfg.token_freq_path,
+                          extra={"train_data_path": str(cfg.prepared_data),
+                                 "gpu_memory_utilization": cfg.gpu_memory_utilization, "max_samples": cfg.limit},
+                          command=run_info(None)["command"])
     except Rejected as exc:
         logger.error("%s", exc)
         return 1

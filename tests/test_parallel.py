@@ -3,12 +3,12 @@ optionally shared by several engines, and the refusal of a memory split that can
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import pytest
 
 from speccompat.dataset.errors import Rejected
+from speccompat.dataset.extract import ExtractConfig
 from speccompat.parallel import launch_engines, partition_devices
 
 EIGHT = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
@@ -32,12 +32,12 @@ def test_a_memory_split_that_cannot_fit_is_refused_before_any_engine(monkeypatch
     import speccompat.parallel as parallel
 
     started = []
-    monkeypatch.setattr(parallel, "run_local", lambda runs: started.append(runs) or [0] * len(runs))
-    args = types.SimpleNamespace(num_shards=1, shard_index=0, data_parallel_size=2, engines_per_gpu=2,
-                                 gpu_memory_utilization=0.6, tp_size=1, ray=False)
+    monkeypatch.setattr(parallel, "run_local", lambda runs, **kw: started.append(runs) or [0] * len(runs))
+    cfg = ExtractConfig(model_path="m", prepared_data=Path("d.jsonl"), output_dir=Path("o"), num_shards=1,
+                        shard_index=0, data_parallel_size=2, engines_per_gpu=2, gpu_memory_utilization=0.6)
     with pytest.raises(Rejected, match=r"--engines-per-gpu 2 with --gpu-memory-utilization 0.6: .* would ask for "
                                        r"1.20 of its memory; give each at most 0.50"):
-        launch_engines(args, ["--model-path", "m"], Path("driver.py"))
+        launch_engines(cfg, Path("driver.py"))
     assert started == []
 
 
@@ -46,7 +46,7 @@ def test_two_engines_on_one_gpu_are_started_on_it_as_two_shards(monkeypatch):
 
     started = []
 
-    def run_local(runs):
+    def run_local(runs, **kw):
         started.extend(runs)
         for r in runs:
             r.code = 1
@@ -54,9 +54,9 @@ def test_two_engines_on_one_gpu_are_started_on_it_as_two_shards(monkeypatch):
 
     monkeypatch.setattr(parallel, "run_local", run_local)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    args = types.SimpleNamespace(num_shards=1, shard_index=0, data_parallel_size=2, engines_per_gpu=2,
-                                 gpu_memory_utilization=0.45, tp_size=1, ray=False)
-    assert launch_engines(args, ["--model-path", "m"], Path("driver.py")) == 1
+    cfg = ExtractConfig(model_path="m", prepared_data=Path("d.jsonl"), output_dir=Path("o"), num_shards=1,
+                        shard_index=0, data_parallel_size=2, engines_per_gpu=2, gpu_memory_utilization=0.45)
+    assert launch_engines(cfg, Path("driver.py")) == 1
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in started] == ["0", "0"]
     shards = [r.argv[r.argv.index("--shard-index") + 1] for r in started]
     assert shards == ["0", "1"] and all(r.argv[r.argv.index("--num-shards") + 1] == "2" for r in started)

@@ -108,9 +108,11 @@ def test_shards_from_slurm_arrays_rank_world_size_with_auto_and_from_flags():
 # ---------------------------------------------------------------------------------------------
 
 
-def run_shard(out: Path, samples, prov, k: int, n: int, *, batches: int | None = None, batch: int = 2, seed: int = 0):
-    """One shard as the driver runs it, with fake results; ``batches``: stop after that many."""
-    ds = open_shard(out, samples, prov, ShardSpec(n, k, "test"))
+def run_shard(out: Path, samples, prov, k: int, n: int, *, batches: int | None = None, batch: int = 2, seed: int = 0,
+              command: str | None = None):
+    """One shard as the driver runs it, with fake results; ``batches``: stop after that many;
+    ``command``: the command its header records (default: this process's)."""
+    ds = open_shard(out, samples, prov, ShardSpec(n, k, "test"), extra={"command": command} if command else None)
     writer = ds.writer(threads=2)
     todo = ds.todo[: None if batches is None else batches * batch]
     try:
@@ -133,6 +135,16 @@ def run_single(out: Path, samples, prov):
             w.submit([ds.job(s, states(s)) for s in ds.todo[first:first + 2]])
     ds.lock.close()
     return ds
+
+
+def same_as_one_run(out: Path, single: Path, shards: int) -> None:
+    """The merged manifest equals one run's, byte for byte, but for the header's record of what made
+    it: the same command, merged from ``shards`` shards."""
+    merged, one = [(d / "manifest.jsonl").read_bytes().splitlines() for d in (out, single)]
+    assert merged[1:] == one[1:]
+    head, ref = json.loads(merged[0]), json.loads(one[0])
+    assert head["run"] == {**ref["run"], "merged_from": {"shards": shards, "commands": [ref["run"]["command"]]}}
+    assert {**head, "run": None} == {**ref, "run": None}
 
 
 def files_of(out: Path) -> dict[str, bytes]:
@@ -180,7 +192,7 @@ def test_two_shards_write_parts_and_their_merge_equals_one_run(world):
     assert not [p for p in out.iterdir() if p.name.startswith(".speccompat-shard-")]
     # the same bytes as one run: every sample file and the manifest (entries in input order)
     assert files_of(out) == files_of(single)
-    assert (out / "manifest.jsonl").read_bytes() == (single / "manifest.jsonl").read_bytes()
+    same_as_one_run(out, single, 2)
     problems, n = verify_dataset(out)
     assert problems == [] and n == len(samples)
     assert check_inputs(out, data) == ([], len(samples))
@@ -263,7 +275,7 @@ def test_resharding_two_to_three_skips_every_finished_sample_and_redoes_a_corrup
     res = merge_dataset(out)  # the old part's entry of the victim is stale: the file decides
     assert res.problems == [] and res.entries == len(samples)
     assert files_of(out) == files_of(single)
-    assert (out / "manifest.jsonl").read_bytes() == (single / "manifest.jsonl").read_bytes()
+    same_as_one_run(out, single, 5)
     assert check_inputs(out, data) == ([], len(samples))
     # and a sharded run on the merged data set has nothing to do
     assert [len(run_shard(out, samples, prov, k, 4).todo) for k in range(4)] == [0, 0, 0, 0]
@@ -321,6 +333,130 @@ def test_a_changed_input_is_refused_by_every_shard(world):
         open_shard(out, changed, prov, ShardSpec(2, 1, "t"))
 
 
+def test_a_header_without_samples_takes_the_corrected_command_in_every_shard(world):
+    """Shards whose engines did not start leave only the header (manifest.header.json, parts without
+    entries): the corrected command is taken, also with another number of shards, and the parts merge.
+    Once one sample exists, a differing setting is refused, naming it."""
+    from speccompat.dataset import verify_dataset
+
+    root, model, data, samples = world
+    out = root / "out"
+    failed = provenance(model, dtype="float16", max_seq_len=48)
+    for k in range(3):  # three engines that did not start: headers, no sample
+        open_shard(out, samples, failed, ShardSpec(3, k, "t")).close()
+    assert json.loads((out / HEADER_NAME).read_text())["provenance"]["max_seq_len"] == 48
+    prov = provenance(model)
+    first = run_shard(out, samples, prov, 0, 2, batches=1)
+    assert first.done == 0 and len(first.todo) == sum(shard_of(s.id, 2) == 0 for s in samples)
+    head = json.loads((out / HEADER_NAME).read_text())
+    assert head["provenance"]["hidden_states"]["dtype"] == "bfloat16" and head["provenance"]["max_seq_len"] == 64
+    # a sample exists now: the failed run's settings are refused by every shard, each difference named
+    for k, n in ((1, 2), (2, 3)):
+        with pytest.raises(Rejected, match=r'(?s)hidden_states.dtype: "bfloat16" -> "float16".*max_seq_len: 64 -> 48'):
+            open_shard(out, samples, failed, ShardSpec(n, k, "t"))
+    run_shard(out, samples, prov, 0, 2)
+    run_shard(out, samples, prov, 1, 2)
+    res = merge_dataset(out)
+    assert res.problems == [] and res.entries == len(samples) and len(res.parts) == 5
+    assert verify_dataset(out) == ([], len(samples))
+    assert check_inputs(out, data) == ([], len(samples))
+
+
+def test_shards_starting_together_after_a_failed_start_take_the_corrected_settings_one_at_a_time(world, monkeypatch):
+    """A shard that would replace the header waits for the header lock and holds no part lock while
+    it waits, so shards of the corrected command starting together all start; a shard that read the
+    old header just before it was replaced is refused; one running with the old settings keeps them."""
+    import threading
+    import time
+
+    from speccompat.dataset.directory import HEADER_LOCK_NAME, DatasetDir, part_lock_name
+
+    root, model, _data, samples = world
+    out = root / "out"
+    failed, prov = provenance(model, max_seq_len=48), provenance(model)
+    for k in range(2):
+        open_shard(out, samples, failed, ShardSpec(2, k, "t")).close()
+    ddir = DatasetDir(out)
+    opened, errors = {}, []
+
+    def start(k):
+        try:
+            opened[k] = open_shard(out, samples, prov, ShardSpec(2, k, "t"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with ddir.lock(HEADER_LOCK_NAME):  # another shard is deciding
+        threads = [threading.Thread(target=start, args=(k,)) for k in range(2)]
+        for t in threads:  # (one after the other: in one process both would probe the directory with one name)
+            t.start()
+            time.sleep(0.3)
+        assert opened == {} and not [k for k in range(2) if ddir.held(part_lock_name(k, 2))]
+    for t in threads:
+        t.join(30)
+    assert errors == [] and sorted(opened) == [0, 1]
+    assert all(d.manifest.header["provenance"]["max_seq_len"] == 64 for d in opened.values())
+    for d in opened.values():
+        d.close()
+    # shard 0 runs with these settings: the failed ones cannot take the set back
+    a = open_shard(out, samples, prov, ShardSpec(2, 0, "t"))
+    with pytest.raises(Rejected, match=r"max_seq_len: 64 -> 48.*\n.*1 shard\(s\) are running with the stored"):
+        open_shard(out, samples, failed, ShardSpec(2, 1, "t"))
+    a.close()
+    # a shard that read the header just before another shard replaced it is refused, not run with it
+    real = DatasetDir.lock
+
+    def lock(self, name, **kw):
+        if name == part_lock_name(1, 2) and not replaced:
+            replaced.append(None)
+            replaced[0] = open_shard(out, samples, failed, ShardSpec(2, 0, "t"))  # replaces it now
+        return real(self, name, **kw)
+
+    replaced: list = []
+    monkeypatch.setattr(DatasetDir, "lock", lock)
+    with pytest.raises(Rejected, match="was replaced by another shard while this one started"):
+        open_shard(out, samples, prov, ShardSpec(2, 1, "t"))
+    assert replaced[0].manifest.header["provenance"]["max_seq_len"] == 48
+    replaced[0].close()
+    assert not ddir.held(part_lock_name(1, 2))  # the refused shard let its locks go
+
+
+def test_the_merged_set_records_the_job_command_and_its_shards(world, capsys):
+    """After a merge the header's ``run`` is no longer one shard's: it names the job's command (the
+    shards' without --shard-index, or the one the job gives), the shards' commands and their number;
+    a second merge (more shards later) keeps the first one's."""
+    from speccompat.cli import main
+    from speccompat.dataset import verify_dataset
+
+    root, model, data, samples = world
+    prov = provenance(model)
+    out = root / "out"
+    job = "extract_hidden_states.py --model-path m --output-dir out --num-shards 3"
+    for k in range(3):
+        flag = f"--shard-index {k}" if k != 1 else f"--shard-index={k}"
+        run_shard(out, samples, prov, k, 3, command=f"extract_hidden_states.py --model-path m {flag} --output-dir out"
+                                                     " --num-shards 3")
+    heads = [json.loads(p.read_text().splitlines()[0])["run"]["command"] for p in find_parts(out)]
+    assert len(set(heads)) == 3  # each shard recorded its own command
+    assert main(["merge", str(out), "--inputs", str(data)]) == 0
+    head = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
+    assert head["run"]["command"] == job
+    assert head["run"]["merged_from"] == {"shards": 3, "commands": [job]}
+    assert verify_dataset(out) == ([], len(samples))
+    # more samples, a second job of 2 shards (another command), merged again: both jobs are named
+    added = [{"id": f"new{i}", "input_ids": [5, 6, i + 4]} for i in range(6)]
+    grown = scan(jsonl(root / "grown.jsonl", [json.loads(x) for x in data.read_text().splitlines()] + added))
+    other = "extract_hidden_states.py --model-path m --output-dir out --num-shards 2 --batch-size 4"
+    for k in range(2):
+        run_shard(out, grown, prov, k, 2, command=f"{other} --shard-index {k}")
+    res = merge_dataset(out)
+    assert res.problems == [] and res.entries == len(grown)
+    head = json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
+    assert head["run"]["merged_from"] == {"shards": 5, "commands": [job, other]}
+    assert head["run"]["command"] == f"{job}; {other}"
+    assert verify_dataset(out) == ([], len(grown))
+    capsys.readouterr()
+
+
 def test_speculators_layout_shards_keep_global_file_indices(world):
     root, model, data, samples = world
     prov = provenance(model, layout="speculators")
@@ -366,30 +502,116 @@ def test_run_local_reports_every_child_and_the_worst_status(capfd):
     err = capfd.readouterr().err
     for k in range(3):
         assert f"[engine {k}] progress: 3/3 samples t{k}" in err
-    assert [(r.done, r.todo) for r in runs] == [(3, 3)] * 3
+    # progress comes from the data set, never from what an engine prints: these have no shard
+    assert [(r.done, r.samples) for r in runs] == [(0, None)] * 3
+
+
+def test_the_jobs_progress_is_read_from_the_manifest_parts(world):
+    """Each shard's part says how many samples it owns and how many were done when it opened; each
+    entry appended after is one more. Read as the part grows: a torn last line is not yet, a part
+    rewritten by a shard that reopens is read anew, a re-shard counts what the earlier split did."""
+    from speccompat.parallel import DataSetProgress, EngineRun
+
+    root, model, _data, samples = world
+    prov = provenance(model)
+    out = root / "out"
+    mine = {k: [s for s in samples if shard_of(s.id, 2) == k] for k in range(2)}
+    runs = [EngineRun(f"engine {k}", [], shard=(k, 2)) for k in range(2)]
+    progress = DataSetProgress(out)
+    progress.update(runs)  # nothing opened yet: nothing known
+    assert [(r.done, r.samples) for r in runs] == [(0, None), (0, None)]
+    run_shard(out, samples, prov, 0, 2, batches=2)  # 4 samples, then the engine stops
+    progress.update(runs)
+    assert [(r.done, r.samples) for r in runs] == [(4, len(mine[0])), (0, None)]
+    part = out / part_name(0, 2)
+    line = part.read_text().splitlines()[-1]
+    entry = json.loads(line)
+    extra = json.dumps({**entry, "id": "another", "file": "another.safetensors"}) + "\n"
+    with open(part, "a") as f:  # a line being appended: half of it is there
+        f.write(extra[:40])
+    progress.update(runs)
+    assert runs[0].done == 4
+    with open(part, "a") as f:
+        f.write(extra[40:])
+    progress.update(runs)
+    assert runs[0].done == 5
+    # shard 0 opens again: its part is compacted (the entry without a file dropped) and read anew
+    held = open_shard(out, samples, prov, ShardSpec(2, 0, "t"))
+    progress.update(runs)
+    assert (runs[0].done, runs[0].samples) == (4, len(mine[0])) and len(held.todo) == len(mine[0]) - 4
+    held.close()
+    run_shard(out, samples, prov, 0, 2)
+    run_shard(out, samples, prov, 1, 2, batches=1)
+    progress.update(runs)
+    assert [(r.done, r.samples) for r in runs] == [(len(mine[0]), len(mine[0])), (2, len(mine[1]))]
+    # a re-shard into 3: each new shard starts with what the 2-split finished of its samples
+    finished = {json.loads(x)["id"] for k in range(2) for x in (out / part_name(k, 2)).read_text().splitlines()[1:]}
+    three = [EngineRun(f"engine {k}", [], shard=(k, 3)) for k in range(3)]
+    for k in range(3):
+        open_shard(out, samples, prov, ShardSpec(3, k, "t")).close()
+    DataSetProgress(out).update(three)
+    want = [sum(shard_of(s.id, 3) == k and s.id in finished for s in samples) for k in range(3)]
+    assert [r.done for r in three] == want and sum(want) == len(finished)
+    assert [r.samples for r in three] == [sum(shard_of(s.id, 3) == k for s in samples) for k in range(3)]
+    # the merged set's header keeps no shard's progress facts
+    for k in range(3):
+        run_shard(out, samples, prov, k, 3)
+    assert merge_dataset(out).problems == []
+    assert "shard" not in json.loads((out / "manifest.jsonl").read_text().splitlines()[0])
 
 
 def test_launcher_gives_each_engine_its_shard_and_gpus(monkeypatch, tmp_path):
-    import argparse
-
+    """One job (ExtractConfig) -> one config per engine -> its command: the flags parse back to that
+    engine's config (shard k of N*D, a single engine), and progress is read from the data set."""
     from speccompat import parallel
+    from speccompat.dataset.extract import ExtractConfig, parse_args
 
     seen = []
-    monkeypatch.setattr(parallel, "run_local", lambda runs: seen.extend(runs) or [0] * len(runs))
+
+    def run_local(runs, progress=None):
+        seen.extend(runs)
+        progress(runs)  # the data set's progress: no part yet, nothing known
+        return [0] * len(runs)
+
+    monkeypatch.setattr(parallel, "run_local", run_local)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
-    for k in ("SLURM_ARRAY_TASK_ID", "RANK", "WORLD_SIZE"):
+    for k in ("SLURM_ARRAY_TASK_ID", "RANK", "WORLD_SIZE", "RAY_ADDRESS"):
         monkeypatch.delenv(k, raising=False)
-    args = argparse.Namespace(num_shards=3, shard_index=1, data_parallel_size=4, tp_size=2, ray=False,
-                              output_dir=tmp_path / "o", prepared_data=tmp_path / "d.jsonl", limit=None)
-    argv = ["--model-path", "m", "--tp-size", "2", "--data-parallel-size", "4", "--num-shards", "3",
-            "--shard-index", "1"]
-    assert parallel.launch_engines(args, argv, Path("/x/drv.py")) == 0
+    cfg = ExtractConfig(model_path="m", prepared_data=tmp_path / "d.jsonl", output_dir=tmp_path / "o", tp_size=2,
+                        data_parallel_size=4, num_shards=3, shard_index=1, layer_ids=[1, 3], progress=False)
+    assert parallel.launch_engines(cfg, Path("/x/drv.py")) == 0
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in seen] == ["0,1", "2,3", "4,5", "6,7"]
     for d, r in enumerate(seen):
-        a = r.argv
-        assert a[:2] == [sys.executable, "/x/drv.py"]
-        # argparse keeps the last value: the engine's shard of the 12
-        assert a[-6:] == ["--num-shards", "12", "--shard-index", str(4 + d), "--data-parallel-size", "1"]
+        assert r.argv[:2] == [sys.executable, "/x/drv.py"] and r.shard == (4 + d, 12)
+        got = ExtractConfig.from_args(parse_args(r.argv[2:]))
+        assert got == ExtractConfig(model_path="m", prepared_data=tmp_path / "d.jsonl", output_dir=tmp_path / "o",
+                                    tp_size=2, num_shards=12, shard_index=4 + d, layer_ids=[1, 3], progress=False)
+        assert "--data-parallel-size" not in r.argv and "--shard-index" in r.argv  # a single engine, its shard
+        assert (r.done, r.samples) == (0, None)
+
+
+def test_a_config_and_its_flags_are_one_another(monkeypatch, tmp_path):
+    """ExtractConfig.to_argv gives the flags that parse back to the same config, every field set."""
+    import dataclasses
+
+    from speccompat.dataset.extract import ExtractConfig, parse_args
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    changed = dict(format="speculators", batch_size=5, max_seq_len=77, tp_size=4, gpu_memory_utilization=0.25,
+                   layer_ids=[2, 5, 9], limit=11, overwrite=True, dtype="float16", on_bad_line="skip",
+                   on_long_line="skip", writer_threads=3, max_in_flight_gb=2.5, token_freq_path=tmp_path / "f.pt",
+                   log_level="DEBUG", num_shards="auto", data_parallel_size=2, engines_per_gpu=2, ray=True,
+                   ray_address="h:6379", progress=False)
+    base = ExtractConfig(model_path="org/model", prepared_data=tmp_path / "d.jsonl", output_dir=tmp_path / "o")
+    assert {f.name for f in dataclasses.fields(ExtractConfig)} - set(changed) == \
+        {"model_path", "prepared_data", "output_dir", "shard_index"}  # every other field is changed here
+    cfg = dataclasses.replace(base, **changed)
+    assert ExtractConfig.from_args(parse_args(cfg.to_argv())) == cfg
+    assert ExtractConfig.from_args(parse_args(base.to_argv())) == base
+    assert base.to_argv() == ["--model-path", "org/model", "--prepared-data", str(tmp_path / "d.jsonl"),
+                              "--output-dir", str(tmp_path / "o")]  # the defaults are not repeated
+    one = dataclasses.replace(base, num_shards=3, shard_index=2)
+    assert ExtractConfig.from_args(parse_args(one.to_argv())) == one
 
 
 def test_speccompat_merge_command_exit_statuses(world, capsys):

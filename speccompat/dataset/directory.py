@@ -39,7 +39,7 @@ from .errors import Rejected
 from .fsutil import LOCK_NAME, TMP_SUFFIX, check_output_dir, free_bytes, write_atomic
 from .manifest import MANIFEST_NAME, Manifest
 
-__all__ = ["HEADER_NAME", "LOCK_NAME", "PART_LOCK_RE", "PART_RE", "TRASH_NAME", "DatasetDir", "DirLock", "Plan",
+__all__ = ["HEADER_LOCK_NAME", "HEADER_NAME", "LOCK_NAME", "PART_LOCK_RE", "PART_RE", "TRASH_NAME", "DatasetDir", "DirLock", "Plan",
            "bad_name", "part_lock_name", "part_name", "plan_resume"]
 
 logger = logging.getLogger("speccompat.dataset")
@@ -50,6 +50,8 @@ HEADER_NAME = "manifest.header.json"
 TRASH_NAME = ".speccompat-overwrite"
 PART_RE = re.compile(r"^manifest\.shard-(\d+)-of-(\d+)\.jsonl$")
 PART_LOCK_RE = re.compile(r"^\.speccompat-shard-(\d+)-of-(\d+)\.lock$")
+#: Held by a shard while it decides on the shared header (short: one shard at a time).
+HEADER_LOCK_NAME = ".speccompat-header.lock"
 _TMP_RE = re.compile(r"^(.*)\.\d+" + re.escape(TMP_SUFFIX) + "$")
 
 
@@ -127,6 +129,16 @@ class DatasetDir:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(name))
 
+    def held(self, name: str) -> bool:
+        """Whether another process holds the lock file ``name`` now (it is not created when missing)."""
+        if not os.path.lexists(self.path(name)):
+            return False
+        try:
+            self.lock(name).close()
+        except Rejected:
+            return True
+        return False
+
     def parts(self) -> list[str]:
         """Names of the manifest parts of a sharded extraction, in name order."""
         return [n for n in self.names() if PART_RE.match(n)]
@@ -169,14 +181,16 @@ class DatasetDir:
             os.close(fd)
             raise
 
-    def lock(self, name: str = LOCK_NAME, *, exclusive: bool = True, busy: str | None = None) -> DirLock:
-        """Take the flock ``name`` (exclusive or shared) without waiting; :class:`Rejected` with
-        ``busy`` (or the holder's pid) when another process holds it. Use as a context manager."""
+    def lock(self, name: str = LOCK_NAME, *, exclusive: bool = True, busy: str | None = None,
+             wait: bool = False) -> DirLock:
+        """Take the flock ``name`` (exclusive or shared) without waiting (``wait``: until it is free);
+        :class:`Rejected` with ``busy`` (or the holder's pid) when another process holds it. Use as
+        a context manager."""
         import fcntl
 
         with self._open_lock(name) as fd:
             try:
-                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
                 raise Rejected(busy or f"another extraction is writing to {self.root} (pid {holder})") from None
@@ -419,7 +433,7 @@ class Plan:
 def plan_resume(ddir: DatasetDir, own: Manifest, samples: list[Any], mine: list[Any],
                 stored: dict[str, list[dict[str, Any]]], layout: Any, digest: Callable[[memoryview], str], *,
                 index: int = 0, num_shards: int = 1, check_threads: int = 4, fresh: bool = False,
-                what: str = "against the manifest") -> Plan:
+                what: str = "against the manifest", annotate: Callable[[Plan], None] | None = None) -> Plan:
     """The resume plan of shard ``index`` of ``num_shards`` (a whole run: 0 of 1).
 
     ``samples`` is the whole input, ``mine`` this shard's samples, ``stored`` the entries of every
@@ -428,7 +442,8 @@ def plan_resume(ddir: DatasetDir, own: Manifest, samples: list[Any], mine: list[
     one is removed and redone. File names: the stored one, else the layout's (by id; or
     ``data_<input index>.pt``), else one no other shard of this split can pick. ``own`` loses the
     entries of failed or missing files and is rewritten (:class:`Rejected` when it cannot be).
-    ``fresh``: nothing stored counts (``--overwrite``)."""
+    ``fresh``: nothing stored counts (``--overwrite``). ``annotate(plan)`` runs before ``own`` is
+    written (a shard records its progress facts in the header)."""
     files: dict[str, str] = {}
     taken = {e["file"] for es in stored.values() for e in es}
     position = {s.id: k for k, s in enumerate(samples)}
@@ -474,8 +489,11 @@ def plan_resume(ddir: DatasetDir, own: Manifest, samples: list[Any], mine: list[
     for f, e in list(own.entries.items()):
         if e["id"] not in done_ids and not os.path.lexists(ddir.path(f)):
             del own.entries[f]
+    plan = Plan(files, done_ids, [s for s in mine if s.id not in done_ids])
+    if annotate is not None:
+        annotate(plan)
     try:
         own.rewrite()
     except OSError as exc:
         raise Rejected(f"cannot write {own.path}: {exc.strerror}") from None
-    return Plan(files, done_ids, [s for s in mine if s.id not in done_ids])
+    return plan

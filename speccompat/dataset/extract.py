@@ -171,6 +171,34 @@ class ExtractConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
+    def to_argv(self) -> list[str]:
+        """The flags of ``speccompat extract`` for this job (those whose value is not the default):
+        ``ExtractConfig.from_args(parse_args(cfg.to_argv())) == cfg``."""
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.name == "progress":
+                argv.append("--no-progress")
+            elif isinstance(value, bool):
+                argv.append(flag)
+            elif isinstance(value, list):
+                argv += [flag, *map(str, value)]
+            else:
+                argv += [flag, str(value)]
+        return argv
+
+    def engine_configs(self, outer: Any) -> list[ExtractConfig]:
+        """``--data-parallel-size D`` within shard ``outer`` (a ``ShardSpec``) K of N: one job per
+        engine, shards K*D .. K*D+D-1 of N*D, each a single engine on its own."""
+        D = self.data_parallel_size
+        total = outer.num_shards * D
+        return [dataclasses.replace(self, num_shards=total, shard_index=outer.index * D + d, data_parallel_size=1,
+                                    engines_per_gpu=1, ray=False, ray_address=ExtractConfig.ray_address)
+                for d in range(D)]
+
     @property
     def max_model_len(self) -> int:
         """What the engine gets: speculators keeps max_model_len - 1 tokens (one slot is reserved for
@@ -548,7 +576,7 @@ def main(argv: list[str] | None = None, *, script: Path | None = None, prog: str
 
         try:
             check_settings(cfg)
-            return launch_engines(cfg, sys.argv[1:] if argv is None else argv, script or Path(__file__).resolve())
+            return launch_engines(cfg, script or Path(__file__).resolve())
         except Rejected as exc:
             logger.error("%s", exc)
             return EXIT_REJECTED

@@ -100,6 +100,10 @@ class Manifest:
         self.header_problem: str | None = None  # line 1 is a header that cannot be used, and why
         self.entries: dict[str, dict[str, Any]] = {}  # file -> entry
         self.problems: list[str] = []  # lines that could not be read
+        self._read_to = 0  # bytes of the file read (complete lines), for :meth:`follow`
+        self._lines = 0
+        self._file: tuple[int, int] | None = None  # (device, inode) read
+        self._suffix: str | None = None
 
     def _read(self) -> bytes:
         try:
@@ -115,40 +119,73 @@ class Manifest:
 
     def load(self) -> Manifest:
         """Read the file (missing: empty). A torn last line (a crash mid-append) is dropped."""
-        self.header, self.header_problem, self.entries, self.problems = None, None, {}, []
-        lines = self._read().split(b"\n")
-        suffix = None
-        for no, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{self.path.name} line {no}"
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError("not an object")
-            except ValueError:
-                self.problems.append(f"{where} is malformed" +
-                                     (" (torn last line of an interrupted append)" if no == len(lines) else ""))
-                continue
-            if no == 1 and "speccompat_dataset" in obj:
-                why = header_problem(obj)
-                if why is None:
-                    self.header = obj
-                    from .formats import layout_named
-
-                    suffix = layout_named(obj["layout"]).suffix
-                else:
-                    self.header_problem = f"{where} (the header): {why}"
-                    self.problems.append(self.header_problem)
-            elif "file" in obj and "id" in obj:
-                why = entry_problem(obj, suffix)
-                if why is None:
-                    self.entries[obj["file"]] = obj
-                else:
-                    self.problems.append(f"{where}: {why}")
-            else:
-                self.problems.append(f"{where} is neither the header nor an entry")
+        self._reset()
+        self._take(self._read(), final=True)
         return self
+
+    def follow(self) -> Manifest:
+        """Read what was appended since the last :meth:`follow` (the whole file the first time), as a
+        reader beside the process that appends to it: read-only, no lock taken; only complete lines
+        are read (a line being appended is read once it is whole); a file replaced meanwhile (a
+        resume compacts it atomically) is read anew."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # not there (yet), or not a plain file: nothing to read
+            self._reset()
+            return self
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if self._file != (st.st_dev, st.st_ino) or st.st_size < self._read_to:
+                self._reset()
+                self._file = (st.st_dev, st.st_ino)
+            f.seek(self._read_to)
+            self._take(f.read(), final=False)
+        return self
+
+    def _reset(self) -> None:
+        self.header, self.header_problem, self.entries, self.problems = None, None, {}, []
+        self._read_to, self._lines, self._file, self._suffix = 0, 0, None, None
+
+    def _take(self, data: bytes, *, final: bool) -> None:
+        """Parse the lines of ``data`` (the bytes after those read so far). ``final``: ``data`` is
+        the rest of the file (an unterminated last line is torn); else it is kept for later."""
+        lines = data.split(b"\n")
+        if not final:
+            lines.pop()  # the bytes after the last newline: a line not yet whole (or nothing)
+            self._read_to += sum(len(x) + 1 for x in lines)
+        for k, line in enumerate(lines):
+            no = self._lines + k + 1
+            if line.strip():
+                self._parse(line, no, torn=final and k == len(lines) - 1)
+        self._lines += len(lines)
+
+    def _parse(self, line: bytes, no: int, *, torn: bool) -> None:
+        where = f"{self.path.name} line {no}"
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            self.problems.append(f"{where} is malformed" + (" (torn last line of an interrupted append)" if torn else ""))
+            return
+        if no == 1 and "speccompat_dataset" in obj:
+            why = header_problem(obj)
+            if why is None:
+                self.header = obj
+                from .formats import layout_named
+
+                self._suffix = layout_named(obj["layout"]).suffix
+            else:
+                self.header_problem = f"{where} (the header): {why}"
+                self.problems.append(self.header_problem)
+        elif "file" in obj and "id" in obj:
+            why = entry_problem(obj, self._suffix)
+            if why is None:
+                self.entries[obj["file"]] = obj
+            else:
+                self.problems.append(f"{where}: {why}")
+        else:
+            self.problems.append(f"{where} is neither the header nor an entry")
 
     @property
     def provenance(self) -> dict[str, Any] | None:

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,10 +40,19 @@ from typing import Any
 
 from . import provenance as prov_mod
 from .checksum import default_algorithm, digest_fn
-from .directory import HEADER_NAME, PART_LOCK_RE, PART_RE, DatasetDir, part_lock_name, part_name, plan_resume
+from .directory import (
+    HEADER_LOCK_NAME,
+    HEADER_NAME,
+    PART_LOCK_RE,
+    PART_RE,
+    DatasetDir,
+    part_lock_name,
+    part_name,
+    plan_resume,
+)
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, DatasetError, Rejected
 from .formats import layout_named
-from .fsutil import LOCK_NAME, fsync_dir, human
+from .fsutil import LOCK_NAME, fsync_dir, human, write_atomic
 from .inputs import Sample
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .store import OpenDataset, differences, expected_bytes, refuse_differences, run_facts, run_info
@@ -171,6 +182,24 @@ def _stored(ddir: DatasetDir, own: Manifest) -> tuple[list[Manifest], dict[str, 
     return manifests, by_id
 
 
+def _header_differences(stored_header: dict[str, Any], provenance: dict[str, Any]) -> list[str]:
+    diffs = []
+    if stored_header.get("speccompat_dataset") != SCHEMA_VERSION:
+        diffs.append(f"manifest schema {stored_header.get('speccompat_dataset')} -> {SCHEMA_VERSION}")
+    return diffs + differences(stored_header, provenance, [], {})
+
+
+def _no_sample_yet(ddir: DatasetDir, layout: Any, stored_header: dict[str, Any], manifests: list[Manifest]) -> bool:
+    """No manifest of the directory has an entry and no file of this run's layout or the stored
+    header's is there: the directory holds only headers of runs that wrote no sample."""
+    if any(m.entries for m in manifests):
+        return False
+    layouts = [layout]
+    with contextlib.suppress(ValueError, Rejected):
+        layouts.append(layout_named(str(stored_header.get("layout"))))
+    return not any(lay.is_sample_file(n) for n in ddir.names() for lay in layouts)
+
+
 def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], shard: ShardSpec, *,
                overwrite: bool = False, check_threads: int = 4, speculators_version: str | None = None,
                extra: dict[str, Any] | None = None) -> Any:
@@ -189,8 +218,6 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
         dir_lock = stack.enter_context(ddir.lock(LOCK_NAME, exclusive=False, busy=(
             f"{out_dir} is held by an unsharded extraction or a `speccompat merge` (only shards can run beside "
             "shards)")))
-        part_lock = stack.enter_context(ddir.lock(part_lock_name(K, N), busy=f"shard {K} of {N} is already running "
-                                                  f"on {out_dir}"))
         if ddir.interrupted_overwrite():
             raise Rejected(f"{out_dir} holds an interrupted --overwrite: finish it with an unsharded run and "
                            "--overwrite, or use another --output-dir")
@@ -204,20 +231,54 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
 
         # the shared header: manifest.jsonl's when there is one, else manifest.header.json
         base = next((m for m in manifests if m.path.name == MANIFEST_NAME and m.header is not None), None)
-        stored_header = base.header if base is not None else None
-        if stored_header is None:
-            fresh = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": default_algorithm(),
-                     "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance)}
-            stored_header = ddir.shared_header(fresh)
-        diffs = []
-        if stored_header.get("speccompat_dataset") != SCHEMA_VERSION:
-            diffs.append(f"manifest schema {stored_header.get('speccompat_dataset')} -> {SCHEMA_VERSION}")
-        diffs += differences(stored_header, provenance, samples, by_id)
-        for m in [own, *manifests]:
-            if m.header is not None and m.header.get("provenance_sha256") != stored_header.get("provenance_sha256"):
-                diffs.append(f"{m.path.name}: made with another provenance: " + "; ".join(
-                    prov_mod.differences(m.header.get("provenance") or {}, provenance)[:3]))
-        refuse_differences(out_dir, diffs, "Use another --output-dir")
+        fresh = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": default_algorithm(),
+                 "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance)}
+
+        def shared() -> dict[str, Any]:  # read again only while the set holds no sample (a small file)
+            if base is None:
+                return ddir.shared_header(fresh)
+            return ddir.manifest().header or fresh
+
+        def differ(header: dict[str, Any]) -> list[str]:
+            # a part without entries says nothing about the samples: only parts that hold some must agree
+            return _header_differences(header, provenance) + differences(None, provenance, samples, by_id) + [
+                f"{m.path.name}: made with another provenance: "
+                + "; ".join(prov_mod.differences(m.header.get("provenance") or {}, provenance)[:3])
+                for m in [own, *manifests] if m.header is not None and m.entries
+                and m.header.get("provenance_sha256") != header.get("provenance_sha256")]
+
+        busy = f"shard {K} of {N} is already running on {out_dir}"
+        stored_header = base.header if base is not None else shared()
+        diffs = differ(stored_header)
+        running: list[str] = []
+        empty = _no_sample_yet(ddir, layout, stored_header, [own, *manifests])
+        if diffs and empty:
+            # Every earlier shard stopped before its first sample (e.g. its engine did not start) and
+            # left only the header: nothing can be mixed or lost, so this command's settings replace
+            # it, unless a shard runs with them. One shard at a time decides, and takes its part's
+            # lock before the next one looks: a part lock held is a shard that runs with the header.
+            with ddir.lock(HEADER_LOCK_NAME, wait=True):
+                stored_header = shared()  # as another shard may have left it meanwhile
+                diffs = differ(stored_header)
+                running = [n for n in ddir.names() if PART_LOCK_RE.match(n) and ddir.held(n)]
+                if diffs and not running:
+                    logger.info("%s holds no sample yet, only the header of an earlier run that wrote none; this "
+                                "run's settings replace it (%s)", out_dir, "; ".join(diffs[:3]))
+                    if base is not None:
+                        base.header = fresh
+                        base.rewrite()
+                    else:
+                        write_atomic(ddir.path(HEADER_NAME), (json.dumps(fresh, ensure_ascii=False) + "\n").encode())
+                    stored_header, diffs = fresh, []
+                part_lock = stack.enter_context(ddir.lock(part_lock_name(K, N), busy=busy))
+        else:
+            part_lock = stack.enter_context(ddir.lock(part_lock_name(K, N), busy=busy))
+            if not diffs and empty and shared().get("provenance_sha256") != stored_header.get("provenance_sha256"):
+                raise Rejected(f"the header of {out_dir} was replaced by another shard while this one started "
+                               "(the earlier run had written no sample): run this shard again")
+        refuse_differences(out_dir, diffs, "Use another --output-dir" + (
+            f" ({len(running)} shard(s) are running with the stored settings: {', '.join(running[:3])})"
+            if running else ""))
         checksum = stored_header.get("checksum")
         try:
             digest = digest_fn(checksum)
@@ -231,8 +292,15 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
                       "run": run_info(extra)}
 
         # leftovers of this shard's own interrupted writes (other shards may be writing theirs now)
+        def progress_facts(plan: Any) -> None:
+            # what the job's progress is read from (speccompat.parallel.DataSetProgress): the shard's samples,
+            # those done now, and the entries the part holds now (each one appended after is one more)
+            own.header["shard"] = {"index": K, "num_shards": N, "samples": len(mine), "done": len(plan.done_ids),
+                                   "entries": len(own.entries)}
+
         plan = plan_resume(ddir, own, samples, mine, by_id, layout, digest, index=K, num_shards=N,
-                           check_threads=check_threads, what="of this shard against the manifests")
+                           check_threads=check_threads, what="of this shard against the manifests",
+                           annotate=progress_facts)
         ddir.remove_leftovers(set(plan.files.values()))
         need = expected_bytes(plan.todo, len(layer_ids), hidden, dtype)
         free = ddir.free()
@@ -258,10 +326,44 @@ class MergeResult:
     parts: list[str]
 
 
-def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
+#: ``--shard-index K`` (or ``=K``) in a recorded command: what tells one shard's command from the job's.
+_SHARD_INDEX = re.compile(r"\s--shard-index(?:=|\s+)\S+")
+
+
+def job_command(command: str) -> str:
+    """A shard's recorded command without its ``--shard-index``: the job's command."""
+    return _SHARD_INDEX.sub("", command)
+
+
+def merged_run(sources: list[Manifest], parts: int, command: str | None = None) -> dict[str, Any]:
+    """The ``run`` record of a merged header: the run facts of the first source with entries, the
+    distinct commands of the sources (each without ``--shard-index``; those of an earlier merge
+    included), ``command``: the given job's command, else the one command they share (else all,
+    ``; ``-separated), and ``merged_from``: how many shards (manifest parts) were merged."""
+    runs = [(m.header or {}).get("run") for m in sources if m.header is not None and m.entries]
+    runs = [r for r in runs if isinstance(r, dict)]
+    commands: list[str] = []
+    shards = parts
+    for r in runs:
+        before = r.get("merged_from")
+        if isinstance(before, dict):
+            shards += int(before.get("shards") or 0)
+            found = [c for c in before.get("commands") or [] if isinstance(c, str)]
+        else:
+            found = [job_command(r["command"])] if isinstance(r.get("command"), str) else []
+        commands += [c for c in found if c not in commands]
+    run = {k: v for k, v in (runs[0] if runs else {}).items() if k not in ("command", "merged_from")}
+    run["command"] = command or "; ".join(commands)
+    run["merged_from"] = {"shards": shards, "commands": commands}
+    return run
+
+
+def merge_dataset(out_dir: Path, threads: int = 4, *, command: str | None = None) -> MergeResult:
     """Join the manifest parts of ``out_dir`` (and its ``manifest.jsonl``) into one ``manifest.jsonl``;
     raises :class:`Rejected` while a shard is running. Returns the join's problems (nothing is
-    written when the parts disagree on provenance); verify the result with ``verify_dataset``."""
+    written when the parts disagree on provenance); verify the result with ``verify_dataset``.
+    The merged header's ``run`` says what made the set (:func:`merged_run`; ``command``: the job's
+    command, when the caller is the job)."""
     ddir = DatasetDir(out_dir)
     out_dir = ddir.root
     if not out_dir.is_dir():
@@ -280,7 +382,9 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
             return MergeResult([] if base.header is not None else
                                [base.header_problem or f"{out_dir}: neither {MANIFEST_NAME} nor manifest parts: "
                                 "not a data set"], len(base.entries), [])
-        ref = base.header or next((m.header for m in parts if m.header is not None), None) or shared
+        # the data set's header: manifest.jsonl's, else that of a part holding entries, else the shared one
+        ref = base.header or next((m.header for m in parts if m.header is not None and m.entries), None) or shared \
+            or next((m.header for m in parts if m.header is not None), None)
         problems: list[str] = []
         for m in sources:
             problems += [f"{p} (dropped)" for p in m.problems]
@@ -288,7 +392,7 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
             return MergeResult([*problems, "no manifest part has a header"], 0, names)
         for m in sources:
             h = m.header
-            if h is None:
+            if h is None or not m.entries:  # a part without entries: a shard that wrote no sample
                 if m.entries:
                     problems.append(f"{m.path.name}: entries but no header")
                 continue
@@ -327,14 +431,14 @@ def merge_dataset(out_dir: Path, threads: int = 4) -> MergeResult:
                                 "it is left out (a re-run redoes it)")
         merged.sort(key=lambda e: (e["line"], str(e["id"])))
         out = Manifest(out_dir)
-        out.header = ref
+        out.header = {**{k: v for k, v in ref.items() if k != "shard"}, "run": merged_run(sources, len(names), command)}
         out.entries = {e["file"]: e for e in merged}
         out.rewrite()
         fsync_dir(out_dir)
         for n in [*names, HEADER_NAME]:
             ddir.unlink(n)
         for n in ddir.names():
-            if PART_LOCK_RE.match(n):
+            if PART_LOCK_RE.match(n) or n == HEADER_LOCK_NAME:
                 ddir.unlink(n)
         fsync_dir(out_dir)
         logger.info("merged %d manifest part(s) into %s: %d entries", len(names), out.path, len(merged))
@@ -470,13 +574,13 @@ def check_present(out_dir: Path) -> list[str]:
 
 
 def finish_job(out_dir: Path, inputs: Path, *, limit: int | None = None, token_freq_path: Path | None = None,
-               extra: dict[str, Any] | None = None) -> int:
+               extra: dict[str, Any] | None = None, command: str | None = None) -> int:
     """After every shard of a job succeeded: merge the parts, check that every input sample is
     present once (and every file with its size; each shard checked what it skipped and wrote the
     rest with checksums, so no file is read again: ``speccompat verify`` does that), and write the
     layout's side files (the one finish path). 0 when all is well, 1 otherwise."""
     out_dir = Path(out_dir)
-    res = merge_dataset(out_dir)
+    res = merge_dataset(out_dir, command=command)
     problems = list(res.problems)
     if (out_dir / MANIFEST_NAME).is_file():
         problems += check_present(out_dir)

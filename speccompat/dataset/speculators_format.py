@@ -2,7 +2,10 @@
 ``scripts/data_generation_offline.py`` writes them at the end of a run:
 
 - ``data_config.json``: ``DataGenerationConfig(...).to_dict()``, built with the installed
-  speculators' own classes (0.3.0 has ``format.data_format_version``, 0.4 does not);
+  speculators' own classes (0.3.0 has ``format.data_format_version``, 0.4 does not); after a merge
+  ``reproducibility.command`` is the job's command and ``reproducibility.merged_from`` names the
+  shards' commands and their number (speculators 0.3/0.4 write this file but read no key of it:
+  their loader takes the ``*pt`` files and ``sample_lengths.json``);
 - ``sample_lengths.json`` (speculators >= 0.4): ``{"<i>": num_tokens}`` for ``data_<i>.pt``, which
   0.4's ``Eagle3SampleFileDataset`` reads instead of estimating lengths from file sizes;
 - the token-frequency file (``{token_id: count}`` over loss-masked tokens, ``torch.save``), which
@@ -68,7 +71,10 @@ def _data_config(entries: list[dict[str, Any]], info: dict[str, Any]) -> dict[st
         generation=cg.GenerationConfig(cache_dir=str(extra.get("cache_dir", ""))),
         format=cg.FormatConfig.create_default(num_layers=len(layer_ids), hidden_size=hidden),
     )
-    return cfg.to_dict()
+    out = cfg.to_dict()
+    if isinstance(extra.get("merged_from"), dict):  # the shards a merged set was made by (no loader reads it)
+        out["reproducibility"]["merged_from"] = extra["merged_from"]
+    return out
 
 
 def write_side_files(ddir: Any, entries: list[dict[str, Any]], *, token_freq: Any, token_freq_path: Path,
