@@ -53,6 +53,11 @@ class Recipe:
     vision_config: dict[str, Any] | None = None
     #: Routed experts as compressed-tensors W4A16 (pack-quantized), as in the released Kimi-K2.5.
     int4_experts: bool = False
+    #: RMSNorm weights store the gain minus one (Gemma: ``x * (1 + weight)``): drawn around 0, so that
+    #: the gain is about 1 as in the other recipes (drawn around 1 it doubles every norm's output).
+    norm_offset: bool = False
+    #: Keys merged into generation_config.json (vLLM reads some model settings from there).
+    generation_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -173,7 +178,11 @@ RECIPES["qwen3_moe"] = Recipe(
 )
 
 # Gemma 3 (text): sandwich norms, q/k norm, embeddings scaled by sqrt(hidden), sliding-window (128)
-# layers with the last of 6 global.
+# layers with the last of 6 global. Its RMSNorm multiplies by (1 + weight) (norm_offset): with weights
+# drawn around 1, as for the other recipes, every norm doubled its output and the q/k norms made the
+# attention logits 4x sharper than Qwen3's (std ~4 instead of ~1); bf16 rounding then changed
+# attention enough that transformers' own bf16-vs-fp32 noise reached rel 0.13 at layer 5 (the other
+# architectures: ~0.017), and single tokens crossed the per-token cosine limit (docs/parity.md).
 RECIPES["gemma3"] = Recipe(
     kind="gemma3",
     architecture="Gemma3ForCausalLM",
@@ -190,6 +199,7 @@ RECIPES["gemma3"] = Recipe(
         "sliding_window": 128,
         "hidden_activation": "gelu_pytorch_tanh",
     },
+    norm_offset=True,
 )
 
 # GLM-4.5 MoE: a dense first layer, then sigmoid-routed experts with a shared expert; every token
@@ -211,6 +221,36 @@ RECIPES["glm4_moe"] = Recipe(
         "routed_scaling_factor": 1.0,
         "num_nextn_predict_layers": 0,
     },
+)
+
+# Llama 4 text (Scout/Maverick's language model): chunked local attention (128-token chunks) with
+# RoPE and L2 q/k norm, every 4th layer global without RoPE (no_rope_layers) and with attention
+# temperature tuning (floor_scale 64 so that 20-600-token sequences reach it; vLLM switches it on from
+# generation_config.json below 32K context), a MoE every 2nd layer (interleave_moe_layer_step: sigmoid
+# router weighting the experts' input, shared expert) and dense MLPs between; every token takes all 4
+# experts (routing cannot flip, its weights still depend on context).
+RECIPES["llama4"] = Recipe(
+    kind="llama4",
+    architecture="Llama4ForCausalLM",
+    config={
+        **_COMMON,
+        "model_type": "llama4_text",
+        "rms_norm_eps": 1e-5,
+        "hidden_size": 256,
+        "intermediate_size": 128,
+        "intermediate_size_mlp": 512,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 4,
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 128,
+        "attn_temperature_tuning": True,
+        "floor_scale": 64,
+    },
+    generation_config={"attn_temperature_tuning": True},
 )
 
 #: Kimi-K2.5 special tokens (the released tokenizer's names), placed after the word vocabulary so
@@ -369,7 +409,7 @@ def _build_model(recipe: Recipe, device: str = "cpu"):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
-                p.copy_(1.0 + 0.1 * randn(p.shape))
+                p.copy_((0.0 if recipe.norm_offset else 1.0) + 0.1 * randn(p.shape))
             elif "e_score_correction_bias" in name:
                 p.copy_(0.01 * randn(p.shape))
             else:
@@ -751,6 +791,10 @@ def make_checkpoint(kind: str, path: str | os.PathLike, *, int4_experts: bool = 
     cfg_path.write_text(json.dumps(cfg, indent=2))
     if recipe.vision_config is not None:
         _finish_kimi(path, recipe)
+    if recipe.generation_config:
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        gen_path.write_text(json.dumps({**gen, **recipe.generation_config}, indent=2))
     _write_tokenizer(path, recipe)
     stamp_file.write_text(stamp)
     return path
