@@ -41,6 +41,9 @@ class Recipe:
 
     kind: str
     architecture: str
+    #: vLLM's decoder-layer class of the architecture (``module:Class`` under vllm.model_executor.models),
+    #: as adapters declare its output convention (``layer_outputs``).
+    decoder_layer: str
     config: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
     #: Scale of the attention score projections (see _SOFT). 1.0 gives sharp attention.
@@ -82,6 +85,7 @@ RECIPES: dict[str, Recipe] = {
     "llama": Recipe(
         kind="llama",
         architecture="LlamaForCausalLM",
+        decoder_layer="llama:LlamaDecoderLayer",
         config={
             **_COMMON,
             "model_type": "llama",
@@ -98,6 +102,7 @@ RECIPES: dict[str, Recipe] = {
     "deepseek_v3": Recipe(
         kind="deepseek_v3",
         architecture="DeepseekV3ForCausalLM",
+        decoder_layer="deepseek_v2:DeepseekV2DecoderLayer",
         config={
             **_COMMON,
             "model_type": "deepseek_v3",
@@ -135,6 +140,7 @@ RECIPES: dict[str, Recipe] = {
 RECIPES["qwen3"] = Recipe(
     kind="qwen3",
     architecture="Qwen3ForCausalLM",
+    decoder_layer="qwen3:Qwen3DecoderLayer",
     config={**RECIPES["llama"].config, "model_type": "qwen3"},
 )
 
@@ -144,6 +150,7 @@ RECIPES["qwen3"] = Recipe(
 RECIPES["gpt_oss"] = Recipe(
     kind="gpt_oss",
     architecture="GptOssForCausalLM",
+    decoder_layer="gpt_oss:TransformerBlock",
     config={
         **_COMMON,
         "model_type": "gpt_oss",
@@ -165,6 +172,7 @@ RECIPES["gpt_oss"] = Recipe(
 RECIPES["mistral"] = Recipe(
     kind="mistral",
     architecture="MistralForCausalLM",
+    decoder_layer="mistral:MistralDecoderLayer",
     config={**RECIPES["llama"].config, "model_type": "mistral", "sliding_window": None},
 )
 
@@ -173,6 +181,7 @@ RECIPES["mistral"] = Recipe(
 RECIPES["qwen3_moe"] = Recipe(
     kind="qwen3_moe",
     architecture="Qwen3MoeForCausalLM",
+    decoder_layer="qwen3_moe:Qwen3MoeDecoderLayer",
     config={**RECIPES["qwen3"].config, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 4,
             "moe_intermediate_size": 128, "decoder_sparse_step": 1, "norm_topk_prob": True},
 )
@@ -186,6 +195,7 @@ RECIPES["qwen3_moe"] = Recipe(
 RECIPES["gemma3"] = Recipe(
     kind="gemma3",
     architecture="Gemma3ForCausalLM",
+    decoder_layer="gemma3:Gemma3DecoderLayer",
     config={
         **_COMMON,
         "model_type": "gemma3_text",
@@ -207,6 +217,7 @@ RECIPES["gemma3"] = Recipe(
 RECIPES["glm4_moe"] = Recipe(
     kind="glm4_moe",
     architecture="Glm4MoeForCausalLM",
+    decoder_layer="glm4_moe:Glm4MoeDecoderLayer",
     config={
         **RECIPES["llama"].config,
         "model_type": "glm4_moe",
@@ -232,6 +243,7 @@ RECIPES["glm4_moe"] = Recipe(
 RECIPES["llama4"] = Recipe(
     kind="llama4",
     architecture="Llama4ForCausalLM",
+    decoder_layer="llama4:Llama4DecoderLayer",
     config={
         **_COMMON,
         "model_type": "llama4_text",
@@ -264,6 +276,7 @@ KIMI_SPECIAL = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|medi
 RECIPES["kimi_k25"] = Recipe(
     kind="kimi_k25",
     architecture="KimiK25ForConditionalGeneration",
+    decoder_layer="deepseek_v2:DeepseekV2DecoderLayer",
     config={**RECIPES["deepseek_v3"].config, "vocab_size": VOCAB_SIZE + len(KIMI_SPECIAL)},
     router_scale=0.25,
     routing_margin=True,
