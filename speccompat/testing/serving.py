@@ -121,11 +121,12 @@ def _one_pass(llm: Any, sequences: list[list[int]], n_aux: int) -> list[dict[str
 
 
 def run(model: str, aux_ids: list[int], sequences: list[list[int]], *, repeat: int = 1,
-        max_model_len: int = 1024, gpu_memory_utilization: float = 0.1, layer_hooks: bool = False) -> dict[str, Any]:
+        max_model_len: int = 1024, gpu_memory_utilization: float = 0.1, layer_hooks: bool = False,
+        max_num_batched_tokens: int = 0) -> dict[str, Any]:
     from vllm import LLM
 
     llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=False,
-              max_num_batched_tokens=max(2048, max_model_len), max_num_seqs=8,
+              max_num_batched_tokens=max_num_batched_tokens or max(2048, max_model_len), max_num_seqs=8,
               gpu_memory_utilization=gpu_memory_utilization,
               worker_extension_cls="speccompat.testing.serving."
                                    + ("LayerHookExtension" if layer_hooks else "AuxCaptureExtension"))
@@ -150,13 +151,15 @@ def main() -> None:
     ap.add_argument("--layer-hooks", action="store_true",
                     help="read the states by forward hooks on the decoder layers (a model without SupportsEagle3)")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: max(2048, max model length)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1,
                     help="on vLLM's CPU platform: the fraction of CPU memory for the KV cache")
     args = ap.parse_args()
     with open(args.sequences, encoding="utf-8") as f:
         sequences = json.load(f)
     doc = run(args.model, args.aux_ids, sequences, repeat=args.repeat, max_model_len=args.max_model_len,
-              gpu_memory_utilization=args.gpu_memory_utilization, layer_hooks=args.layer_hooks)
+              gpu_memory_utilization=args.gpu_memory_utilization, layer_hooks=args.layer_hooks,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     torch.save(doc, args.out)
 
 

@@ -74,7 +74,7 @@ def test_architecture_parity_with_transformers(engines, references, speculators,
             "layer_ids": LAYER_IDS, "oracle": "transformers"}
     seqs = mixed_sequences(45, seed=7)
     try:
-        out = engines.get(speculators, kind).generate(seqs)
+        out = engines.get(speculators, kind, **recipe.engine).generate(seqs)
     except EngineError as exc:
         CELLS.append({**cell, "outcome": "refused", "reason": f"{exc.type}: {exc.error}"[:400]})
         write_arch_evidence()

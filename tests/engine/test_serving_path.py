@@ -46,7 +46,8 @@ NO_AUX_PATH = ("gemma3", "glm4_moe")
 FULL_KINDS = ("qwen3", "deepseek_v3", "kimi_k25", "gpt_oss", "mistral", "qwen3_moe", "gemma3", "glm4_moe", "llama4")
 
 
-def serving_states(model, aux_ids: list[int], seqs: list[list[int]], tmp_path, log, *, layer_hooks=False) -> dict:
+def serving_states(model, aux_ids: list[int], seqs: list[list[int]], tmp_path, log, *, layer_hooks=False,
+                   max_model_len: int = 1024, max_num_batched_tokens: int = 0) -> dict:
     """Run vLLM's own aux path on ``model`` in a plain engine process (speccompat.testing.serving)."""
     import torch
 
@@ -56,6 +57,8 @@ def serving_states(model, aux_ids: list[int], seqs: list[list[int]], tmp_path, l
     with open(log, "wb") as f:
         proc = subprocess.run([sys.executable, "-m", "speccompat.testing.serving", "--model", str(model),
                                "--aux-ids", *map(str, aux_ids), "--sequences", str(seq_file), "--out", str(out),
+                               "--max-model-len", str(max_model_len),
+                               "--max-num-batched-tokens", str(max_num_batched_tokens),
                                *(["--layer-hooks"] if layer_hooks else [])],
                               stdout=f, stderr=subprocess.STDOUT, env=env, timeout=1200)
     assert proc.returncode == 0, f"the serving-path engine failed (see {log})"
@@ -69,11 +72,14 @@ def test_capture_equals_vllms_aux_hidden_states(engines, tmp_path, kind):
     skip_unless_model_runs(kind)
     seqs = mixed_sequences(12, seed=7)
     aux_ids = [i + 1 for i in LAYER_IDS]
-    host = engines.get("0.4.0.1", kind)
+    from speccompat.testing.models import RECIPES
+
+    engine = RECIPES[kind].engine
+    host = engines.get("0.4.0.1", kind, **engine)
     single = [host.generate([s])["results"][0] for s in seqs]
     batched = host.generate(seqs)["results"]
     served = serving_states(engines.checkpoint(kind), aux_ids, seqs, tmp_path, tmp_path / "serving.log",
-                            layer_hooks=kind in NO_AUX_PATH)
+                            layer_hooks=kind in NO_AUX_PATH, **engine)
 
     assert served["aux_ids"] == aux_ids
     assert len(served["results"]) == len(seqs)
@@ -91,8 +97,6 @@ def test_capture_equals_vllms_aux_hidden_states(engines, tmp_path, kind):
             worst = max(worst, rel)
             if rel > noise:
                 off.append(f"sequence {n}, layer {layer} vs aux {layer + 1}: rel {rel:.3g} > run-to-run noise {noise:.3g}")
-    from speccompat.testing.models import RECIPES
-
     CELLS.append({"speculators": "0.4.0.1", "model": kind, "architecture": RECIPES[kind].architecture,
                   "test": "serving-path", "oracle": f"vLLM {served['oracle']} ({served['model_class']})",
                   "layer_ids": LAYER_IDS, "aux_ids": aux_ids, "sequences": len(seqs),
