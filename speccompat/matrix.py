@@ -37,7 +37,9 @@ __all__ = ["EVIDENCE_KINDS", "STATUSES", "Matrix", "Row", "load"]
 STATUSES = ("supported", "stale", "static", "unsupported")
 EVIDENCE_KINDS = ("static", "cpu-e2e", "gpu-e2e")
 E2E_KINDS = ("cpu-e2e", "gpu-e2e")
-#: Outcomes of an architecture on a release: parity shown, parity not shown, or the engine refused it.
+#: Outcomes of an architecture on a release: parity shown (on the current capture path or an older one),
+#: parity not shown, the engine refused it; or, for a decoder-layer class an adapter declares, accepted
+#: by its output convention with no run on record (:func:`accepted_by_convention`).
 ARCH_OUTCOMES = ("proven", "stale", "failed", "refused", "accepted")
 #: evidence/<platform>/architectures-vllm-<V>.json: the architecture runs (kind of such a file).
 ARCH_KIND = "architectures"
@@ -99,7 +101,8 @@ class Matrix:
         ]
         out += ["  - " + json.dumps(r.as_dict()) for r in self.rows]
         out += ["# architectures: per model architecture, vLLM release and platform, the outcome of the parity runs",
-                "# (proven / failed / refused, with the reason) through each speculators version.",
+                "# (proven / stale / failed / refused, with the reason) through each speculators version; accepted =",
+                "# a decoder-layer class an adapter declares (layer_outputs), on the releases no run of a model on it covers.",
                 "architectures: " + json.dumps(self.architectures)]
         return "\n".join(out) + "\n"
 
