@@ -37,8 +37,10 @@ __all__ = ["EVIDENCE_KINDS", "STATUSES", "Matrix", "Row", "load"]
 STATUSES = ("supported", "stale", "static", "unsupported")
 EVIDENCE_KINDS = ("static", "cpu-e2e", "gpu-e2e")
 E2E_KINDS = ("cpu-e2e", "gpu-e2e")
-#: Outcomes of an architecture on a release: parity shown, parity not shown, or the engine refused it.
-ARCH_OUTCOMES = ("proven", "stale", "failed", "refused")
+#: Outcomes of an architecture on a release: parity shown (on the current capture path or an older one),
+#: parity not shown, the engine refused it; or, for a decoder-layer class an adapter declares, accepted
+#: by its output convention with no run on record (:func:`accepted_by_convention`).
+ARCH_OUTCOMES = ("proven", "stale", "failed", "refused", "accepted")
 #: evidence/<platform>/architectures-vllm-<V>.json: the architecture runs (kind of such a file).
 ARCH_KIND = "architectures"
 
@@ -99,7 +101,8 @@ class Matrix:
         ]
         out += ["  - " + json.dumps(r.as_dict()) for r in self.rows]
         out += ["# architectures: per model architecture, vLLM release and platform, the outcome of the parity runs",
-                "# (proven / failed / refused, with the reason) through each speculators version.",
+                "# (proven / stale / failed / refused, with the reason) through each speculators version; accepted =",
+                "# a decoder-layer class an adapter declares (layer_outputs), on the releases no run of a model on it covers.",
                 "architectures: " + json.dumps(self.architectures)]
         return "\n".join(out) + "\n"
 
@@ -473,6 +476,36 @@ def architectures(evidence_dir: Any) -> list[dict[str, Any]]:
         if reasons:
             entry["reason"] = "; ".join(reasons)
         out.append(entry)
+    return out + accepted_by_convention(evidence_dir, out)
+
+
+def accepted_by_convention(evidence_dir: Any, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per decoder-layer class an adapter declares (``layer_outputs``): the releases on which the
+    capture accepts it by its declared output convention while no run of an architecture built on it
+    (the tiny checkpoints' ``decoder_layer``) is on record (``runs``: :func:`architectures`' entries);
+    outcome ``accepted``, labelled ``any model on <class> (<module>.py)``."""
+    from pathlib import Path
+
+    from .registry import by_version
+    from .testing.models import RECIPES
+
+    models = "vllm.model_executor.models."
+    archs: dict[str, set[str]] = {}
+    for r in RECIPES.values():
+        archs.setdefault(models + r.decoder_layer, set()).add(r.architecture)
+    on_record = {(a["architecture"], a["vllm"]) for a in runs}
+    releases = json.loads((Path(evidence_dir) / "static" / "releases.json").read_text())["releases"]
+    accepted: dict[str, list[str]] = {}
+    for rel in releases:
+        for path, convention in by_version(Version(rel)).layer_outputs.items():
+            if convention is not None and not any((a, rel) in on_record for a in archs.get(path, ())):
+                accepted.setdefault(path, []).append(rel)
+    out = []
+    for path, rels in sorted(accepted.items()):
+        module, cls = path.removeprefix(models).split(":")
+        out.append({"architecture": f"any model on {cls} ({module}.py)", "decoder_layer": path,
+                    "convention": by_version(Version(rels[-1])).layer_outputs[path], "outcome": "accepted",
+                    "vllm": rels})
     return out
 
 
@@ -549,20 +582,23 @@ def _spans(releases: list[str], known: list[str]) -> str:
 def architectures_table(m: Matrix) -> str:
     """The architectures as a Markdown table: per architecture, the releases it is proven on (CPU,
     GPU) and those where parity failed or the engine refused it (with the reason)."""
-    lines = ["| architecture | proven on CPU | proven on GPU | passed on older capture code (stale) | not proven |",
-             "|---|---|---|---|---|"]
+    lines = ["| architecture | proven on CPU | proven on GPU | passed on older capture code (stale) "
+             "| accepted by convention (declared, not run) | not proven |",
+             "|---|---|---|---|---|---|"]
     for arch in sorted({a["architecture"] for a in m.architectures}):
         mine = [a for a in m.architectures if a["architecture"] == arch]
+        runs = [a for a in mine if a["outcome"] != "accepted"]
 
-        def spans(platform: str, outcome: str, mine: list = mine) -> str:
-            rels = [a["vllm"] for a in mine if a["platform"] == platform and a["outcome"] == outcome]
+        def spans(platform: str, outcome: str, runs: list = runs) -> str:
+            rels = [a["vllm"] for a in runs if a["platform"] == platform and a["outcome"] == outcome]
             return _spans(rels, m.releases) if rels else ""
 
         stale = "; ".join(f"{p}: {t}" for p in ("cpu", "gpu") if (t := spans(p, "stale")))
+        accepted = "; ".join(_spans(a["vllm"], m.releases) for a in mine if a["outcome"] == "accepted")
         other = [f"{a['outcome']} on {a['platform']} {a['vllm']}" + (f": {a['reason']}" if a.get("reason") else "")
-                 for a in mine if a["outcome"] not in ("proven", "stale")]
+                 for a in runs if a["outcome"] not in ("proven", "stale")]
         lines.append(f"| {arch} | {spans('cpu', 'proven') or '-'} | {spans('gpu', 'proven') or '-'} | {stale or '-'} "
-                     f"| {'; '.join(other) or '-'} |")
+                     f"| {accepted or '-'} | {'; '.join(other) or '-'} |")
     return "\n".join(lines)
 
 

@@ -207,13 +207,23 @@ def test_architectures_table_follows_the_architecture_evidence(tmp_path):
     (ev / "cpu" / "architectures-vllm-0.31.0.json").write_text(
         json.dumps({**base, "vllm": "0.31.0", "code": {"hot_path_sha256": "0" * 64}, "cells": old}))
     m = matrix.generate(ev)
-    got = {a["architecture"]: (a["outcome"], a.get("reason")) for a in m.architectures}
+    got = {a["architecture"]: (a["outcome"], a.get("reason")) for a in m.architectures if a["outcome"] != "accepted"}
     assert got == {"Qwen3ForCausalLM": ("proven", None), "GptOssForCausalLM": ("failed", None),
                    "XForCausalLM": ("refused", "ValueError: not on CPU"), "MistralForCausalLM": ("stale", None)}
+    # a declared decoder-layer class is accepted by convention on the releases no run of a model on it covers
+    accepted = {a["decoder_layer"].split(":")[1]: a["vllm"] for a in m.architectures if a["outcome"] == "accepted"}
+    assert accepted["Qwen2DecoderLayer"] == m.releases  # no run on record anywhere
+    assert accepted["Qwen3DecoderLayer"] == [r for r in m.releases if r != "0.32.0"]
+    assert accepted["MistralDecoderLayer"] == [r for r in m.releases if r != "0.31.0"]
+    assert accepted["TransformerBlock"] == [r for r in m.releases if r != "0.32.0"]  # a failed run is on record
+    assert "KimiDecoderLayer" not in accepted  # vLLM 0.33.0's other convention is not declared: refused
     assert all(r.status != "supported" for r in m.rows if r.vllm == "0.32.0")  # no release run on record
     table = matrix.architectures_table(m)
-    assert "| Qwen3ForCausalLM | 0.32.0 | - | - | - |" in table
-    assert "| MistralForCausalLM | - | - | cpu: 0.31.0 | - |" in table  # passed, on older capture code
-    assert "| XForCausalLM | - | - | - | refused on cpu 0.32.0: ValueError: not on CPU |" in table
+    assert "| Qwen3ForCausalLM | 0.32.0 | - | - | - | - |" in table
+    assert "| MistralForCausalLM | - | - | cpu: 0.31.0 | - | - |" in table  # passed, on older capture code
+    assert "| XForCausalLM | - | - | - | - | refused on cpu 0.32.0: ValueError: not on CPU |" in table
+    first, last = m.releases[0], m.releases[-1]
+    assert (f"| any model on Qwen2DecoderLayer (qwen2.py) | - | - | - | {first} - {last} ({len(m.releases)} releases) "
+            "| - |") in table
     # the file round-trips through the parser
     assert matrix.parse(matrix.read(m.to_yaml())).architectures == m.architectures

@@ -121,3 +121,29 @@ def test_unknown_kind_and_int4_on_a_plain_model_are_refused(tmp_path):
         M.make_checkpoint("kimi", tmp_path)
     with pytest.raises(ValueError, match="int4_experts is for the kimi_k25"):
         M.make_checkpoint("deepseek_v3", tmp_path, int4_experts=True)
+
+
+def test_every_recipe_names_a_decoder_layer_the_adapters_declare():
+    from packaging.version import Version
+
+    from speccompat.registry import by_version
+
+    declared = by_version(Version("0.32.0")).layer_outputs
+    for kind, recipe in M.RECIPES.items():
+        assert declared.get(f"vllm.model_executor.models.{recipe.decoder_layer}") == "hidden+residual", kind
+
+
+def test_gemma3_norm_gains_are_about_one():
+    """Gemma's RMSNorm multiplies by (1 + weight): its weights are drawn around 0, so every norm's gain
+    is about 1 as in the other recipes (drawn around 1 the gain was about 2)."""
+    recipe = M.RECIPES["gemma3"]
+    model = M._build_model(M.dataclasses.replace(recipe, config={**recipe.config, "num_hidden_layers": 1}))
+    norms = {n: p.detach().float() for n, p in model.named_parameters() if p.dim() == 1 and "norm" in n}
+    assert len(norms) == 7  # input, post-attention, pre/post-feedforward, q, k, final
+    x = torch.randn(3, 256)
+    for name, w in norms.items():
+        assert abs(float(w.mean())) < 0.05 and 0.05 < float(w.std()) < 0.15, name
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        gain = (norm(x).float().norm(dim=-1) / (x.shape[-1] ** 0.5)).mean()
+    assert 0.9 < float(gain) < 1.1, float(gain)

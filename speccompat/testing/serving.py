@@ -15,6 +15,11 @@ first ``len(sequence)`` rows are that sequence's tokens.
 
     python -m speccompat.testing.serving --model PATH --aux-ids 1 3 5 6 --sequences IN.json --out OUT.pt
 
+A model class without ``SupportsEagle3`` (vLLM 0.32.0's Gemma3ForCausalLM, ``gemma3.py``) has no aux
+path: ``--layer-hooks`` then reads the residual stream after decoder layer ``k - 1`` by a forward hook
+on that layer of the plain engine (``hidden + residual`` of a ``(hidden, residual)`` output), vLLM's
+own computation without speculators or speccompat, but the same output convention as the capture.
+
 ``OUT.pt`` holds ``{"aux_ids": [...], "results": [{"input_ids": LongTensor[n],
 "hidden_states": [Tensor[n, H] per aux id]}, ...]}``. The engine's run-to-run noise: ``--repeat 2``
 runs every sequence twice and stores the second pass as ``"repeat"``.
@@ -33,7 +38,7 @@ import argparse
 import json
 from typing import Any, NamedTuple
 
-__all__ = ["AuxCaptureExtension", "OracleAgreement", "agreement", "run", "run_native"]
+__all__ = ["AuxCaptureExtension", "LayerHookExtension", "OracleAgreement", "agreement", "run", "run_native"]
 
 
 class AuxCaptureExtension:
@@ -106,6 +111,35 @@ def agreement(layer_ids: list[int], single: list[Any], batched: list[Any], oracl
     return OracleAgreement(cases, equal, worst, off)
 
 
+class LayerHookExtension(AuxCaptureExtension):
+    """vLLM worker extension: aux id ``k`` read by a forward hook on decoder layer ``k - 1`` (for a
+    model without ``set_aux_hidden_state_layers``)."""
+
+    def speccompat_set_aux_layers(self, aux_ids: list[int]) -> str:
+        import torch
+
+        model = self.model_runner.get_model()
+        if hasattr(model, "set_aux_hidden_state_layers"):
+            raise RuntimeError(f"{type(model).__name__} has vLLM's aux hidden-state path (SupportsEagle3): "
+                               "read its states there, not by layer hooks")
+        layers = model.model.layers
+        self._speccompat_aux = []
+        current: dict[int, Any] = {}
+
+        def hook(_mod: Any, _inp: Any, out: Any, k: int) -> None:
+            if isinstance(out, tuple):
+                if len(out) != 2:
+                    raise RuntimeError(f"{type(_mod).__name__} returned a {len(out)}-tuple, not (hidden, residual)")
+                out = out[0] + out[1]
+            current[k] = out.detach().to("cpu", copy=True)
+            if len(current) == len(aux_ids):
+                self._speccompat_aux.append(torch.stack([current.pop(i) for i in aux_ids]))
+
+        for k in aux_ids:
+            layers[k - 1].register_forward_hook(lambda m, i, o, k=k: hook(m, i, o, k))
+        return type(model).__name__
+
+
 def _one_pass(llm: Any, sequences: list[list[int]], n_aux: int) -> list[dict[str, Any]]:
     import io
 
@@ -127,16 +161,38 @@ def _one_pass(llm: Any, sequences: list[list[int]], n_aux: int) -> list[dict[str
     return results
 
 
+def cpu_mla_rotary_fix(model: str) -> dict[str, Any]:
+    """``compilation_config`` for an MLA model (DeepseekV2/V3, Kimi-K2/K2.5) on vLLM's CPU platform:
+    the rotary custom op off. Its CPU kernel (``RotaryEmbedding.forward_cpu``) mis-rotates the
+    strided ``[tokens, heads, 64]`` query view MLA passes (docs/parity.md, "Findings on the way";
+    the ``vllm_0_28_0`` adapter does the same for speculators' engines). Without it the oracle's
+    own states are wrong by rel 0.45-0.75 from the second token on. Empty elsewhere."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    config_file = os.path.join(model, "config.json")
+    if not current_platform.is_cpu() or not os.path.isfile(config_file):
+        return {}
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    text = config.get("text_config") or config
+    return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if text.get("kv_lora_rank") else {}
+
+
 def run(model: str, aux_ids: list[int], sequences: list[list[int]], *, repeat: int = 1,
-        max_model_len: int = 1024, gpu_memory_utilization: float = 0.1) -> dict[str, Any]:
+        max_model_len: int = 1024, gpu_memory_utilization: float = 0.1, layer_hooks: bool = False,
+        max_num_batched_tokens: int = 0) -> dict[str, Any]:
     from vllm import LLM
 
     llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=False,
-              max_num_batched_tokens=max(2048, max_model_len), max_num_seqs=8,
-              gpu_memory_utilization=gpu_memory_utilization,
-              worker_extension_cls="speccompat.testing.serving.AuxCaptureExtension")
+              max_num_batched_tokens=max_num_batched_tokens or max(2048, max_model_len), max_num_seqs=8,
+              gpu_memory_utilization=gpu_memory_utilization, **cpu_mla_rotary_fix(model),
+              worker_extension_cls="speccompat.testing.serving."
+                                   + ("LayerHookExtension" if layer_hooks else "AuxCaptureExtension"))
     (model_class,) = llm.collective_rpc("speccompat_set_aux_layers", args=(list(aux_ids),))
     doc: dict[str, Any] = {"aux_ids": list(aux_ids), "model_class": model_class,
+                           "oracle": "decoder-layer hooks" if layer_hooks else "aux hidden states",
                            "results": _one_pass(llm, sequences, len(aux_ids))}
     if repeat > 1:
         doc["repeat"] = _one_pass(llm, sequences, len(aux_ids))
@@ -196,7 +252,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--native", action="store_true",
                     help="through vLLM's extract_hidden_states speculative method (GPU only)")
+    ap.add_argument("--layer-hooks", action="store_true",
+                    help="read the states by forward hooks on the decoder layers (a model without SupportsEagle3)")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: max(2048, max model length)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1,
                     help="on vLLM's CPU platform: the fraction of CPU memory for the KV cache")
     args = ap.parse_args()
@@ -207,7 +266,8 @@ def main() -> None:
                          gpu_memory_utilization=args.gpu_memory_utilization)
     else:
         doc = run(args.model, args.aux_ids, sequences, repeat=args.repeat, max_model_len=args.max_model_len,
-                  gpu_memory_utilization=args.gpu_memory_utilization)
+                  gpu_memory_utilization=args.gpu_memory_utilization, layer_hooks=args.layer_hooks,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
     torch.save(doc, args.out)
 
 

@@ -18,12 +18,12 @@ from conftest import ENGINE_ENV
 
 from speccompat.testing.parity import measure, violations
 
-from .conftest import LAYER_IDS, mixed_sequences
+from .conftest import CODE, LAYER_IDS, mixed_sequences
 
 pytestmark = [pytest.mark.engine, pytest.mark.engine_full]
 
 #: New architectures, in the order they were brought up.
-ARCH_KINDS = ("qwen3", "gpt_oss", "mistral", "qwen3_moe", "gemma3", "glm4_moe")
+ARCH_KINDS = ("qwen3", "gpt_oss", "mistral", "qwen3_moe", "gemma3", "glm4_moe", "llama4")
 #: The speculators versions the architectures are proven through (first and last of the line).
 ARCH_SPECULATORS = ("0.3.0", "0.4.0.1")
 
@@ -45,12 +45,16 @@ def write_arch_evidence() -> None:
     doc = {"kind": "architectures", "vllm": ENGINE_ENV["vllm"], "vllm_dist": ENGINE_ENV["vllm_dist"],
            "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-           "date": datetime.date.today().isoformat(), "applied": True, "cells": CELLS}
+           "date": datetime.date.today().isoformat(), "applied": True,
+           "code": CODE,  # the capture path it ran (speccompat.matrix: a later change makes its cells stale)
+           "cells": CELLS}
     # A run of some architectures keeps the other cells of an existing file for the same release.
     path = Path(out)
     if path.exists():
         old = json.loads(path.read_text())
-        if old.get("kind") == "architectures" and old.get("vllm") == doc["vllm"]:
+        # (only cells of the same capture code: older ones would be shown as current)
+        if (old.get("kind") == "architectures" and old.get("vllm") == doc["vllm"]
+                and (old.get("code") or {}).get("hot_path_sha256") == CODE["hot_path_sha256"]):
             ours = {(c["speculators"], c["model"], c["test"]) for c in CELLS}
             doc["cells"] = [c for c in old["cells"] if (c["speculators"], c["model"], c["test"]) not in ours] + CELLS
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +74,7 @@ def test_architecture_parity_with_transformers(engines, references, speculators,
             "layer_ids": LAYER_IDS, "oracle": "transformers"}
     seqs = mixed_sequences(45, seed=7)
     try:
-        out = engines.get(speculators, kind).generate(seqs)
+        out = engines.get(speculators, kind, **recipe.engine).generate(seqs)
     except EngineError as exc:
         CELLS.append({**cell, "outcome": "refused", "reason": f"{exc.type}: {exc.error}"[:400]})
         write_arch_evidence()
