@@ -31,6 +31,7 @@ import pytest
 from conftest import ENGINE_ENV
 
 from speccompat.testing.parity import compare
+from speccompat.testing.serving import agreement
 
 from .conftest import LAYER_IDS, mixed_sequences, skip_unless_model_runs
 from .test_architectures import CELLS, write_arch_evidence
@@ -67,7 +68,6 @@ def serving_states(model, aux_ids: list[int], seqs: list[list[int]], tmp_path, l
 
 @pytest.mark.parametrize("kind", ["llama", *(pytest.param(k, marks=_FULL) for k in FULL_KINDS)])
 def test_capture_equals_vllms_aux_hidden_states(engines, tmp_path, kind):
-    import torch
 
     skip_unless_model_runs(kind)
     seqs = mixed_sequences(12, seed=7)
@@ -83,25 +83,17 @@ def test_capture_equals_vllms_aux_hidden_states(engines, tmp_path, kind):
 
     assert served["aux_ids"] == aux_ids
     assert len(served["results"]) == len(seqs)
-    off, equal, worst = [], 0, 0.0
-    for n, (seq, cap, cap_b, srv) in enumerate(zip(seqs, single, batched, served["results"], strict=True)):
+    for seq, cap, srv in zip(seqs, single, served["results"], strict=True):
         assert srv["input_ids"].tolist() == seq and cap["input_ids"].tolist() == seq
         assert srv["forwards"] == 1, "a sequence was not one prefill"
-        for j, layer in enumerate(LAYER_IDS):
-            got, want = cap["hidden_states"][j], srv["hidden_states"][j]
-            assert got.shape == want.shape == (len(seq), got.shape[-1])
-            if torch.equal(got, want):
-                equal += 1
-                continue
-            rel, noise = compare(got, want).rel, compare(cap_b["hidden_states"][j], got).rel
-            worst = max(worst, rel)
-            if rel > noise:
-                off.append(f"sequence {n}, layer {layer} vs aux {layer + 1}: rel {rel:.3g} > run-to-run noise {noise:.3g}")
+    result = agreement(LAYER_IDS, single, batched, served["results"])
+    assert result.cases == len(seqs) * len(LAYER_IDS)
+    off = result.off
     CELLS.append({"speculators": "0.4.0.1", "model": kind, "architecture": RECIPES[kind].architecture,
                   "test": "serving-path", "oracle": f"vLLM {served['oracle']} ({served['model_class']})",
                   "layer_ids": LAYER_IDS, "aux_ids": aux_ids, "sequences": len(seqs),
-                  "outcome": "failed" if off else "passed", "bit_equal_cases": f"{equal}/{len(seqs) * len(LAYER_IDS)}",
-                  "worst_rel": float(f"{worst:.3g}")})
+                  "outcome": "failed" if off else "passed", "bit_equal_cases": f"{result.bit_equal}/{result.cases}",
+                  "worst_rel": float(f"{result.worst_rel:.3g}")})
     write_arch_evidence()
     assert not off, f"{served['model_class']}: {len(off)} cases differ:\n" + "\n".join(off[:12])
     # the oracle can fail: layer i against aux id i + 2 (the next layer's output) is far off
