@@ -453,7 +453,9 @@ def engine_main(args: argparse.Namespace) -> int:
     if code != 0:
         raise SystemExit(f"the --batch-size 3 run failed (exit {code}); log: {log}")
     noise, noise_identical = batch_noise(ref, other)
-    span = min(ref_s, other_s)  # the first run of a fresh machine also fills caches
+    # from the start: the first run of a fresh machine also fills caches; from the first sample file:
+    # what followed it in the reference run
+    window = ref_s - first if args.from_first_sample else min(ref_s, other_s)
     print(f"uninterrupted: {ref_s:.1f} s and {other_s:.1f} s (first sample file at {first:.1f} s); --batch-size 3 vs 2: "
           f"{noise_identical}/{n} files byte-identical, largest hidden-state difference {noise}", flush=True)
 
@@ -464,7 +466,7 @@ def engine_main(args: argparse.Namespace) -> int:
         attempts += 1
         out = root / "run"
         shutil.rmtree(out, ignore_errors=True)
-        delay = rng.uniform(0.0, span - (first if args.from_first_sample else 0.0))
+        delay = rng.uniform(0.0, window)
         t = time.monotonic()
         proc, log = drv.start(out)
         origin = t
@@ -509,7 +511,7 @@ def engine_main(args: argparse.Namespace) -> int:
         "samples": n,
         "speccompat_imported": {"driver and spawned processes": drv.imports(), "engine processes' PYTHONPATH": workers},
         "uninterrupted_s": [round(ref_s, 1), round(other_s, 1)],
-        "kill_window_s": round(span - (first if args.from_first_sample else 0.0), 1),
+        "kill_window_s": round(window, 1),
         "kill_moments": "uniform over the window, from the first sample file" if args.from_first_sample
                         else "uniform over the window, from the command's start",
         "uninterrupted_first_sample_s": round(first, 1) if first is not None else None,
