@@ -7,6 +7,7 @@
     nox -s "cpu_e2e(0.24.0)" -- --keep-env         # ... and keep .envs/vllm-0.24.0 afterwards
     nox -s sweep -- 2/4                            # cpu_e2e of every CPU release, second quarter
     nox -s engine_full                             # the engine tests that leave scripts/test
+    nox -s fault_injection_engine                  # 24 SIGKILLs of a real-engine extraction + resumes
 
 Static sessions exist for every release in the matrix; cpu-e2e sessions for the releases whose
 rows show cpu-e2e evidence, current or stale (plus the default 0.32.0). A cpu_e2e session builds
