@@ -200,6 +200,11 @@ EPOCH = "1700000000"
 LOCKS = (".speccompat-dataset.lock",)
 
 
+#: The driver's in-flight budget of the reference run (its default) and of the second one, which
+#: admits one longest sample at a time (other engine-step compositions).
+DEFAULT_BUDGET, SMALL_BUDGET = "8", "0.001"
+
+
 class Driver:
     """``python -m speccompat extract`` on a tiny random Llama checkpoint and ``n`` random samples,
     with this checkout's speccompat and speculators 0.4.0.1 (from the engine environment's record)."""
@@ -229,26 +234,26 @@ class Driver:
         (root / "logs").mkdir(exist_ok=True)
         self.runs = 0
 
-    def args(self, out: Path, batch: int = 2) -> list[str]:
+    def args(self, out: Path, budget: str = DEFAULT_BUDGET) -> list[str]:
         return [sys.executable, "-m", "speccompat", "extract", "--model-path", str(self.model),
                 "--prepared-data", str(self.data), "--output-dir", str(out), "--layer-ids", *map(str, ENGINE_LAYERS),
-                "--max-seq-len", str(ENGINE_MAX_SEQ_LEN), "--batch-size", str(batch), "--tp-size", "1",
+                "--max-seq-len", str(ENGINE_MAX_SEQ_LEN), "--max-in-flight-gb", budget, "--tp-size", "1",
                 "--gpu-memory-utilization", "0.1", "--writer-threads", "2", "--no-progress"]
 
-    def start(self, out: Path, batch: int = 2) -> tuple[subprocess.Popen, Path]:
+    def start(self, out: Path, budget: str = DEFAULT_BUDGET) -> tuple[subprocess.Popen, Path]:
         self.runs += 1
         log = self.root / "logs" / f"{self.runs:03d}-{out.name}.log"
         with open(log, "wb") as f:
-            f.write((" ".join(self.args(out, batch)) + "\n").encode())
+            f.write((" ".join(self.args(out, budget)) + "\n").encode())
             f.flush()
-            proc = subprocess.Popen(self.args(out, batch), stdout=f, stderr=subprocess.STDOUT, env=self.env,
+            proc = subprocess.Popen(self.args(out, budget), stdout=f, stderr=subprocess.STDOUT, env=self.env,
                                     cwd=REPO, start_new_session=True)
         return proc, log
 
-    def run(self, out: Path, batch: int = 2, timeout: float = 1800) -> tuple[int, float, Path]:
+    def run(self, out: Path, budget: str = DEFAULT_BUDGET, timeout: float = 1800) -> tuple[int, float, Path]:
         """Run to the end: (exit status, wall seconds, log)."""
         t = time.monotonic()
-        proc, log = self.start(out, batch)
+        proc, log = self.start(out, budget)
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -406,11 +411,12 @@ def batch_noise(a: Path, b: Path) -> tuple[float, int]:
 def engine_main(args: argparse.Namespace) -> int:
     """SIGKILLs around real-engine extractions, each followed by a resume.
 
-    An uninterrupted run (``--batch-size 2``) is the reference and gives the wall time the kill
-    moments are drawn from. A resume batches the samples still to do, so its batches can be made
-    of other samples than the reference's; whether that changes the floats is measured first: a
-    second uninterrupted run with ``--batch-size 3`` (other batch compositions) is compared with the
-    reference. When the two are bit-equal every resumed file must be byte-identical to the
+    An uninterrupted run (the default ``--max-in-flight-gb``: every sample of this input admitted at
+    once) is the reference and gives the wall time the kill moments are drawn from. A resume feeds
+    the engine the samples still to do, so its engine steps can be made of other samples than the
+    reference's; whether that changes the floats is measured first: a second uninterrupted run with
+    ``--max-in-flight-gb 0.001`` (a budget of one longest sample in flight: other step compositions)
+    is compared with the reference. When the two are bit-equal every resumed file must be byte-identical to the
     reference's; otherwise the hidden states may differ by at most the measured difference (and
     everything else must be equal), and the report says so.
 
@@ -447,16 +453,16 @@ def engine_main(args: argparse.Namespace) -> int:
     ref_verify, text = drv.verify(ref)
     if ref_verify != 0 or len(manifest_of(ref)[1]) != n:
         raise SystemExit(f"the uninterrupted run's data set is not complete and valid:\n{text}")
-    other = root / "ref-batch3"
+    other = root / "ref-small-budget"
     shutil.rmtree(other, ignore_errors=True)
-    code, other_s, log = drv.run(other, batch=3)
+    code, other_s, log = drv.run(other, budget=SMALL_BUDGET)
     if code != 0:
-        raise SystemExit(f"the --batch-size 3 run failed (exit {code}); log: {log}")
+        raise SystemExit(f"the --max-in-flight-gb {SMALL_BUDGET} run failed (exit {code}); log: {log}")
     noise, noise_identical = batch_noise(ref, other)
     # from the start: the first run of a fresh machine also fills caches; from the first sample file:
     # what followed it in the reference run
     window = ref_s - first if args.from_first_sample else min(ref_s, other_s)
-    print(f"uninterrupted: {ref_s:.1f} s and {other_s:.1f} s (first sample file at {first:.1f} s); --batch-size 3 vs 2: "
+    print(f"uninterrupted: {ref_s:.1f} s and {other_s:.1f} s (first sample file at {first:.1f} s); --max-in-flight-gb {SMALL_BUDGET} vs {DEFAULT_BUDGET}: "
           f"{noise_identical}/{n} files byte-identical, largest hidden-state difference {noise}", flush=True)
 
     ref_names = {p.name for p in ref.iterdir()}
@@ -515,7 +521,7 @@ def engine_main(args: argparse.Namespace) -> int:
         "kill_moments": "uniform over the window, from the first sample file" if args.from_first_sample
                         else "uniform over the window, from the command's start",
         "uninterrupted_first_sample_s": round(first, 1) if first is not None else None,
-        "batch_noise": {"compared": "--batch-size 3 vs --batch-size 2, both uninterrupted",
+        "batch_noise": {"compared": f"--max-in-flight-gb {SMALL_BUDGET} vs {DEFAULT_BUDGET}, both uninterrupted",
                         "files_identical": noise_identical, "max_abs_diff": noise,
                         "bit_equal": noise == 0.0 and noise_identical == n},
         "kills": len(kills),
