@@ -201,16 +201,15 @@ def native_extractor(args: argparse.Namespace):
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as ehs
 
+    from speccompat.testing.serving import native_engine_args
+
     store = tempfile.mkdtemp(prefix="speccompat-native-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     atexit.register(shutil.rmtree, store, ignore_errors=True)
     aux_ids = [i + 1 for i in LAYER_IDS]
-    llm = LLM(args.model_path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False,
-              max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-              max_num_seqs=32, max_num_batched_tokens=max(8192, args.max_model_len), tensor_parallel_size=args.tp,
-              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux_ids}}},
-              kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                  "kv_connector_extra_config": {"shared_storage_path": store}})
+    llm = LLM(args.model_path, enforce_eager=True, max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=32,
+              max_num_batched_tokens=max(8192, args.max_model_len), tensor_parallel_size=args.tp,
+              **native_engine_args(aux_ids, store))
     params = SamplingParams(max_tokens=1, temperature=0.0)
 
     def extract(batch):

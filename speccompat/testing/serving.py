@@ -38,7 +38,8 @@ import argparse
 import json
 from typing import Any, NamedTuple
 
-__all__ = ["AuxCaptureExtension", "LayerHookExtension", "OracleAgreement", "agreement", "run", "run_native"]
+__all__ = ["AuxCaptureExtension", "LayerHookExtension", "OracleAgreement", "agreement", "native_engine_args", "run",
+           "run_native"]
 
 
 class AuxCaptureExtension:
@@ -199,6 +200,18 @@ def run(model: str, aux_ids: list[int], sequences: list[list[int]], *, repeat: i
     return doc
 
 
+def native_engine_args(aux_ids: list[int], store: str) -> dict[str, Any]:
+    """``LLM(...)`` arguments of vLLM's ``extract_hidden_states`` path, as speculators >= 0.5 and
+    NVIDIA Model-Optimizer configure it: the aux ids in the draft config, ``ExampleHiddenStatesConnector``
+    writing each request's states under ``store``, chunked prefill and prefix caching off."""
+    return {"enable_prefix_caching": False, "enable_chunked_prefill": False,
+            "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                   "draft_model_config": {"hf_config": {
+                                       "eagle_aux_hidden_state_layer_ids": list(aux_ids)}}},
+            "kv_transfer_config": {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                   "kv_connector_extra_config": {"shared_storage_path": store}}}
+
+
 def run_native(model: str, aux_ids: list[int], sequences: list[list[int]], *, max_model_len: int = 1024,
                gpu_memory_utilization: float = 0.1) -> dict[str, Any]:
     """The same states through vLLM's ``extract_hidden_states`` (configured as speculators 0.5+ does:
@@ -212,14 +225,9 @@ def run_native(model: str, aux_ids: list[int], sequences: list[list[int]], *, ma
 
     store = tempfile.mkdtemp(prefix="speccompat-native-")
     try:
-        llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=False,
-                  enable_chunked_prefill=False, max_num_batched_tokens=max(2048, max_model_len), max_num_seqs=8,
-                  gpu_memory_utilization=gpu_memory_utilization,
-                  speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                      "draft_model_config": {"hf_config": {
-                                          "eagle_aux_hidden_state_layer_ids": list(aux_ids)}}},
-                  kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                                      "kv_connector_extra_config": {"shared_storage_path": store}})
+        llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len,
+                  max_num_batched_tokens=max(2048, max_model_len), max_num_seqs=8,
+                  gpu_memory_utilization=gpu_memory_utilization, **native_engine_args(aux_ids, store))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         results = []
         for seq in sequences:
