@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,9 +32,28 @@ IDS = [f"conv-{k:04d}" for k in range(SAMPLES)]
 EPOCH = "1700000000"  # SOURCE_DATE_EPOCH: one provenance date, so that data sets compare byte for byte
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": ENGINE_ENV["speculators"]["0.4.0.1"],
-            "SOURCE_DATE_EPOCH": EPOCH}
+CRASH_HOOK = Path(__file__).resolve().parent / "crash_hook"  # its sitecustomize.py says how it crashes
+
+
+def _env(crash: dict[str, str] | None = None) -> dict[str, str]:
+    """The driver's environment. ``crash``: the crash hook's settings (SPECCOMPAT_TEST_CRASH_*, without
+    the prefix): the process whose command line holds ``ARGV`` SIGKILLs itself (its group with
+    ``GROUP``) once it committed ``AFTER`` samples, mid-run whatever the machine's load."""
+    path = ENGINE_ENV["speculators"]["0.4.0.1"]
+    env = {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": path, "SOURCE_DATE_EPOCH": EPOCH}
+    if crash:
+        env["PYTHONPATH"] = os.pathsep.join([str(CRASH_HOOK), path])
+        env.update({f"SPECCOMPAT_TEST_CRASH_{k}": v for k, v in crash.items()})
+    return env
+
+
+def crashed_after(log: str) -> int:
+    """How many committed samples the crash hook's process had when it killed itself (from its log)."""
+    import re
+
+    m = re.search(r"crash hook: SIGKILL after (\d+) committed sample\(s\)", log)
+    assert m is not None, log[-3000:]
+    return int(m.group(1))
 
 
 def driver_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
@@ -141,25 +159,19 @@ def world(engines, tmp_path_factory) -> World:
 
 
 def kill_shard_zero_of_two_then_resume(world, out: Path) -> set[str]:
-    """Shard 0 of 2, killed (SIGKILL, its whole process group: driver and engine) after 3 samples,
-    then the same shard again: it resumes, skipping what it finished. Returns shard 0's ids."""
-    part0 = out / "manifest.shard-00000-of-00002.jsonl"
-    with open(world.root / "killed.log", "w") as log:
-        proc = subprocess.Popen(driver_args(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0"),
-                                stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + TIMEOUT
-        while proc.poll() is None and time.monotonic() < deadline:
-            if part0.exists() and len(part0.read_text().splitlines()) >= 4:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.05)
-        proc.wait(60)
-    assert proc.returncode == -signal.SIGKILL, (world.root / "killed.log").read_text()[-3000:]
+    """Shard 0 of 2, killed (SIGKILL, its whole process group: driver and engine) once 3 samples are
+    committed, then the same shard again: it resumes, skipping what it finished. Returns shard 0's ids."""
+    crash = {"AFTER": "3", "ARGV": "--num-shards 2 --shard-index 0", "GROUP": "1"}
+    proc = subprocess.run(driver_args(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0"),
+                          capture_output=True, text=True, env=_env(crash), cwd=REPO, timeout=TIMEOUT,
+                          start_new_session=True)
+    (world.root / "killed.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     from speccompat.dataset.shards import shard_of
 
     shard0 = {i for i in IDS if shard_of(i, 2) == 0}
     first = part_ids(out)
-    assert 2 <= len(first) < len(shard0), first  # the last entry's file may not have been renamed yet
+    assert len(first) == crashed_after(proc.stderr) and 3 <= len(first) < len(shard0), first
     before = stamps(out)
 
     proc = run_driver(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0")
@@ -183,27 +195,14 @@ def verified_like_reference(out: Path, world) -> int:
 
 
 def kill_an_engine_mid_run(world, out: Path, engines: int, victim: int, log_path: Path) -> str:
-    """``--data-parallel-size engines``; engine ``victim``'s driver process is killed (SIGKILL) once it
-    finished a sample. The run must report it, not merge, and keep what is finished; returns the log."""
-    import re
-
-    part = out / f"manifest.shard-{victim:05d}-of-{engines:05d}.jsonl"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(driver_args(world.model, world.data, out, "--data-parallel-size", str(engines)),
-                                stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
-        deadline = time.monotonic() + TIMEOUT
-        child = None
-        while proc.poll() is None and time.monotonic() < deadline:
-            if child is None:
-                m = re.search(rf"engine {victim} \(shard {victim} of {engines}\): started \(pid (\d+)\)",
-                              log_path.read_text())
-                child = int(m.group(1)) if m else None
-            elif part.exists() and len(part.read_text().splitlines()) >= 2:  # header + 1 entry
-                os.kill(child, signal.SIGKILL)  # the engine's driver process dies mid-run
-                break
-            time.sleep(0.05)
-        proc.wait(TIMEOUT)
-    text = log_path.read_text()
+    """``--data-parallel-size engines``; engine ``victim``'s driver process kills itself (SIGKILL) once
+    it committed a sample. The run must report it, not merge, and keep what is finished; returns the log."""
+    crash = {"AFTER": "1", "ARGV": f"--num-shards {engines} --shard-index {victim}"}
+    proc = subprocess.run(driver_args(world.model, world.data, out, "--data-parallel-size", str(engines)),
+                          capture_output=True, text=True, env=_env(crash), cwd=REPO, timeout=TIMEOUT)
+    text = proc.stdout + proc.stderr
+    log_path.write_text(text)
+    crashed_after(text)
     assert proc.returncode == 128 + signal.SIGKILL, text[-3000:]
     assert f"engine {victim} (shard {victim} of {engines}): exit -9 (killed by SIGKILL)" in text
     for k in set(range(engines)) - {victim}:
