@@ -33,6 +33,7 @@ from conftest import ENGINE_ENV
 from speccompat.testing.parity import measure, violations
 
 from .conftest import MLA_CPU_REASON, mla_runs_here, skip_unless_model_runs
+from .crash_hook import crash_env, crashed_after
 
 pytestmark = [
     pytest.mark.engine,
@@ -478,17 +479,14 @@ def test_sigkill_then_resume_is_byte_identical_and_rewrites_nothing(shared, tmp_
 
     out = tmp_path / "hs"
     limit = ["--limit", "6", "--on-bad-line", "skip"]
-    with open(tmp_path / "killed.log", "wb") as log:
-        proc = subprocess.Popen(driver_args(shared.model, shared.data, out, *limit), stdout=log,
-                                stderr=subprocess.STDOUT, env=_env(), cwd=REPO, start_new_session=True)
-        deadline = time.monotonic() + TIMEOUT
-        while proc.poll() is None and time.monotonic() < deadline:
-            if out.is_dir() and any(out.glob("*.safetensors")):
-                os.killpg(proc.pid, signal.SIGKILL)  # the driver and its engine workers, like a crash
-                break
-            time.sleep(0.02)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the driver ended before any file was written; cannot test the kill"
+    # the driver and its engine workers die once 2 samples are committed, like a crash
+    env = crash_env(_env(), after=2, argv=f"--output-dir {out}", group=True)
+    proc = subprocess.Popen(driver_args(shared.model, shared.data, out, *limit), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO, start_new_session=True)
+    log = proc.communicate(timeout=TIMEOUT)[0]
+    (tmp_path / "killed.log").write_text(log)
+    assert proc.returncode == -signal.SIGKILL, log[-3000:]
+    killed_after = crashed_after(log)
     for _ in range(200):  # the whole process group gone
         try:
             os.killpg(proc.pid, 0)
@@ -497,7 +495,7 @@ def test_sigkill_then_resume_is_byte_identical_and_rewrites_nothing(shared, tmp_
         time.sleep(0.05)
     _, entries = manifest(out)
     finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.safetensors")}
-    assert 1 <= len(finished) < 6 and set(finished) <= {e["file"] for e in entries.values()}
+    assert len(finished) == killed_after < 6 and set(finished) <= {e["file"] for e in entries.values()}
     proc2 = run_driver(shared.model, shared.data, out, *limit)
     assert proc2.returncode == 0, proc2.stderr[-4000:]
     _, after = manifest(out)

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import ENGINE_ENV
 
+from .crash_hook import crash_env, crashed_after
+
 pytestmark = pytest.mark.engine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,28 +34,11 @@ IDS = [f"conv-{k:04d}" for k in range(SAMPLES)]
 EPOCH = "1700000000"  # SOURCE_DATE_EPOCH: one provenance date, so that data sets compare byte for byte
 
 
-CRASH_HOOK = Path(__file__).resolve().parent / "crash_hook"  # its sitecustomize.py says how it crashes
-
-
-def _env(crash: dict[str, str] | None = None) -> dict[str, str]:
-    """The driver's environment. ``crash``: the crash hook's settings (SPECCOMPAT_TEST_CRASH_*, without
-    the prefix): the process whose command line holds ``ARGV`` SIGKILLs itself (its group with
-    ``GROUP``) once it committed ``AFTER`` samples, mid-run whatever the machine's load."""
-    path = ENGINE_ENV["speculators"]["0.4.0.1"]
-    env = {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": path, "SOURCE_DATE_EPOCH": EPOCH}
-    if crash:
-        env["PYTHONPATH"] = os.pathsep.join([str(CRASH_HOOK), path])
-        env.update({f"SPECCOMPAT_TEST_CRASH_{k}": v for k, v in crash.items()})
-    return env
-
-
-def crashed_after(log: str) -> int:
-    """How many committed samples the crash hook's process had when it killed itself (from its log)."""
-    import re
-
-    m = re.search(r"crash hook: SIGKILL after (\d+) committed sample\(s\)", log)
-    assert m is not None, log[-3000:]
-    return int(m.group(1))
+def _env(crash: dict | None = None) -> dict[str, str]:
+    """The driver's environment; ``crash``: the crash hook's arguments (``crash_hook.crash_env``)."""
+    env = {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": ENGINE_ENV["speculators"]["0.4.0.1"],
+           "SOURCE_DATE_EPOCH": EPOCH}
+    return crash_env(env, **crash) if crash else env
 
 
 def driver_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
@@ -161,7 +146,7 @@ def world(engines, tmp_path_factory) -> World:
 def kill_shard_zero_of_two_then_resume(world, out: Path) -> set[str]:
     """Shard 0 of 2, killed (SIGKILL, its whole process group: driver and engine) once 3 samples are
     committed, then the same shard again: it resumes, skipping what it finished. Returns shard 0's ids."""
-    crash = {"AFTER": "3", "ARGV": "--num-shards 2 --shard-index 0", "GROUP": "1"}
+    crash = {"after": 3, "argv": "--num-shards 2 --shard-index 0", "group": True}
     proc = subprocess.run(driver_args(world.model, world.data, out, "--num-shards", "2", "--shard-index", "0"),
                           capture_output=True, text=True, env=_env(crash), cwd=REPO, timeout=TIMEOUT,
                           start_new_session=True)
@@ -197,7 +182,7 @@ def verified_like_reference(out: Path, world) -> int:
 def kill_an_engine_mid_run(world, out: Path, engines: int, victim: int, log_path: Path) -> str:
     """``--data-parallel-size engines``; engine ``victim``'s driver process kills itself (SIGKILL) once
     it committed a sample. The run must report it, not merge, and keep what is finished; returns the log."""
-    crash = {"AFTER": "1", "ARGV": f"--num-shards {engines} --shard-index {victim}"}
+    crash = {"after": 1, "argv": f"--num-shards {engines} --shard-index {victim}"}
     proc = subprocess.run(driver_args(world.model, world.data, out, "--data-parallel-size", str(engines)),
                           capture_output=True, text=True, env=_env(crash), cwd=REPO, timeout=TIMEOUT)
     text = proc.stdout + proc.stderr
