@@ -382,6 +382,70 @@ def test_the_in_flight_budget_bounds_memory_and_the_caller_does_not_wait_below_i
     assert stats.files == 12 and stats.waits > 0 and stats.waited_s > 0 and stats.peak_in_flight <= 4 * per
 
 
+class SlowFsyncDir(FileOps):
+    """Directory fsyncs of 50 ms (a disk whose journal commits lag); counts them. The
+    ``fail_rename``-th rename fails with EIO when set."""
+
+    def __init__(self, fail_rename: int | None = None) -> None:
+        self.calls, self.renames, self.fail_rename = 0, 0, fail_rename
+
+    def fsync_dir(self, path):
+        self.calls += 1
+        time.sleep(0.05)
+        return super().fsync_dir(path)
+
+    def replace(self, src, dst):
+        self.renames += 1
+        if self.renames == self.fail_rename:
+            raise OSError(errno.EIO, "Input/output error")
+        return super().replace(src, dst)
+
+
+@needs_torch
+def test_batches_finished_during_a_commit_are_committed_together_in_submission_order(tmp_path):
+    from speccompat.dataset import open_dataset, verify_dataset
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(40, lo=30, hi=31)))
+    ds = open_dataset(tmp_path / "out", samples, provenance(model))
+    ops = SlowFsyncDir()
+    w = ds.writer(threads=4, ops=ops)
+    for s in ds.todo:
+        w.submit([ds.job(s, states(s))])  # one sample per batch, as the streaming driver submits
+    stats = w.close()
+    ds.lock.close()
+    assert stats.files == 40
+    # a commit per batch would take 40 directory fsyncs (2 s); the writer threads finish batches
+    # while one commits, and the next commit takes all of them
+    assert ops.calls < 40 / 2, ops.calls
+    assert [e["id"] for e in manifest_entries(tmp_path / "out")] == [s.id for s in samples]
+    problems, _ = verify_dataset(tmp_path / "out")
+    assert problems == []
+
+
+@needs_torch
+def test_a_failed_group_commit_lists_only_files_in_place_and_commits_nothing_later(tmp_path):
+    from speccompat.dataset import WriterFailed, open_dataset, verify_dataset
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(24, lo=30, hi=31)))
+    out = tmp_path / "out"
+    ds = open_dataset(out, samples, provenance(model))
+    w = ds.writer(threads=4, ops=SlowFsyncDir(fail_rename=5))
+    with pytest.raises(WriterFailed, match="Input/output error"):
+        for s in ds.todo:
+            w.submit([ds.job(s, states(s))])
+        w.close()
+    w.close(raise_error=False)
+    ds.lock.close()
+    kept = manifest_entries(out)
+    assert [e["id"] for e in kept] == [s.id for s in samples[:4]]  # the files renamed before the failure
+    assert {p.name for p in out.glob("*.safetensors")} == {e["file"] for e in kept}
+    assert not list(out.glob("*.partial"))
+    problems, _ = verify_dataset(out)
+    assert problems == []
+
+
 @needs_torch
 def test_verify_reports_each_planted_problem(world, capsys):
     from speccompat.cli import main as cli_main

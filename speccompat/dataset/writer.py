@@ -4,8 +4,8 @@ batch; the caller waits only when more than ``max_in_flight_bytes`` of results a
 Per sample (on a writer thread): cast to the stored dtype if needed, encode (safetensors header +
 the tensors' own buffers; or ``torch.save`` for the speculators layout), reserve the space, write,
 checksum each tensor's buffer, fsync, into ``<file>.<pid>.partial``. Per batch, once all its files
-are written (in submission order): append their manifest entries with one write + fsync, rename
-each file into place, fsync the directory once. Hence a visible sample file is complete and has
+are written (in submission order; the batches finished by then together, a group commit): append
+their manifest entries with one write + fsync, rename each file into place, fsync the directory once. Hence a visible sample file is complete and has
 its manifest entry, whenever the process dies; a crash between the manifest append and the renames
 leaves entries without files, which a resume redoes.
 
@@ -94,7 +94,8 @@ class DatasetWriter:
         self.cond = threading.Condition()
         self.in_flight = 0
         self.batches: deque[_Batch] = deque()
-        self.commit_lock = threading.Lock()
+        self.commit_lock = threading.Lock()  # the queue of batches and their progress
+        self.committer = threading.Lock()  # held by the one thread committing (file I/O, no queue)
         self.error: BaseException | None = None
         self.stats = WriterStats()
         self.closed = False
@@ -222,21 +223,40 @@ class DatasetWriter:
         return tmp, entry
 
     def _commit_ready(self) -> None:
-        """Commit finished batches at the head of the queue, in submission order. Never raises:
-        an error is recorded for :meth:`raise_if_failed` (and ``close``)."""
-        with self.commit_lock:
-            while self.batches and self.batches[0].left == 0:
-                batch = self.batches.popleft()
-                if not batch.done:
-                    continue
-                if self.commit_failed:
-                    self._discard([tmp for _, tmp, _ in batch.done])
-                    continue
-                try:
-                    self._commit(batch)
-                except BaseException as exc:  # noqa: BLE001 - reported to the caller
-                    self.commit_failed = True
-                    self._fail(exc)
+        """Commit the finished batches at the head of the queue, in submission order. Never raises:
+        an error is recorded for :meth:`raise_if_failed` (and ``close``).
+
+        A group commit: all the batches finished by then go in one commit (one manifest append and
+        fsync, one directory fsync), made by one thread at a time outside :attr:`commit_lock`, so
+        that the other writer threads go on recording finished files meanwhile. A thread that finds
+        a commit under way leaves its batch to that thread, which looks at the queue again after
+        it. The more the disk's fsyncs lag, the more samples each commit takes."""
+        while self.committer.acquire(blocking=False):
+            try:
+                with self.commit_lock:
+                    ready = []
+                    while self.batches and self.batches[0].left == 0:
+                        ready.append(self.batches.popleft())
+                self._commit_group([b for b in ready if b.done])
+            finally:
+                self.committer.release()
+            with self.commit_lock:  # batches finished while this thread held the committer
+                if not (self.batches and self.batches[0].left == 0):
+                    return
+
+    def _commit_group(self, ready: list[_Batch]) -> None:
+        if not ready:
+            return
+        if self.commit_failed:
+            self._discard([tmp for batch in ready for _, tmp, _ in batch.done])
+            return
+        group = _Batch([job for batch in ready for job in batch.jobs])
+        group.left, group.done = 0, [d for batch in ready for d in batch.done]
+        try:
+            self._commit(group)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            self.commit_failed = True
+            self._fail(exc)
 
     def _discard(self, tmps: list[str]) -> None:
         for tmp in tmps:
