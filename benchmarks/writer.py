@@ -7,7 +7,14 @@ buffers, checksums on the writer threads, fsyncs and renames grouped per batch) 
 
 - ``dd``: one fsync'd sequential write of the same number of bytes in 8 MiB blocks (what the disk does);
 - ``serial``: the former driver's path, per sample ``safetensors.torch.save`` (a ``bytes`` copy),
-  sha256, write, fsync, rename and a directory fsync, on the caller's thread.
+  sha256, write, fsync, rename and a directory fsync, on the caller's thread;
+- ``--parallel-probe``: the disk's rate for the writer's own pattern, as fio would measure it (the
+  largest ``--threads`` value of threads, each writing whole files of the sample size and fsync'ing
+  each; ``benchmarks/throughput.py``'s ``disk_parallel_write_gbps``).
+
+``--batch 1`` is how the streaming driver submits (one sample per batch). ``writer_sha256`` names the
+writer code that ran (``speccompat/dataset/writer.py`` as imported), so that runs of two versions of
+it, one after the other on the same disk, can be told apart.
 
 ``caller_wait_s`` is how long ``submit`` blocked the caller (the engine loop) on the in-flight
 budget; the data are generated before the clock starts.
@@ -130,12 +137,18 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4, help="samples per submitted batch")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--checksums", nargs="+", default=["xxh3_64", "crc32"])
+    ap.add_argument("--checksums", nargs="+", default=["xxh3_64", "crc32"],
+                    help="'default': the data set's default here (xxh3_64 with xxhash installed, else crc32)")
+    ap.add_argument("--parallel-probe", action="store_true", help="also measure the disk for the writer's pattern")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import torch
 
+    import speccompat.dataset.writer as writer_module
+    from speccompat.dataset.checksum import default_algorithm
+
+    args.checksums = [default_algorithm() if c == "default" else c for c in args.checksums]
     root = Path(tempfile.mkdtemp(prefix="writer-bench-", dir=args.dir))
     try:
         samples, states = fake(args, torch)
@@ -143,6 +156,11 @@ def main() -> None:
         dd_s = dd(root / "dd.bin", nbytes)
         serial = run_serial(args, root, samples, states, torch)
         writer = [run_writer(args, root, samples, states, t, c) for c in args.checksums for t in args.threads]
+        probe = None
+        if args.parallel_probe:
+            from throughput import disk_parallel_write_gbps  # benchmarks/throughput.py
+
+            probe = disk_parallel_write_gbps(str(root), max(args.threads), nbytes // len(samples), nbytes)
         dd_s2 = dd(root / "dd.bin", nbytes)  # again: the disk's speed may drift during the run
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -153,9 +171,12 @@ def main() -> None:
         "dir": str(args.dir or tempfile.gettempdir()),
         "shape": {"samples": args.samples, "tokens": args.tokens, "hidden": args.hidden, "layers": args.layers,
                   "dtype": "bfloat16", "batch": args.batch, "gb": round(nbytes / 1e9, 3)},
+        "writer_sha256": hashlib.sha256(Path(writer_module.__file__).read_bytes()).hexdigest(),
         "dd_gb_per_s": round(dd_rate, 3),
+        **({"parallel_probe": {"gb_per_s": probe, "threads": max(args.threads)}} if probe else {}),
         "serial": {**serial, "of_dd": round(serial["gb_per_s"] / dd_rate, 2)},
-        "writer": [{**w, "of_dd": round(w["gb_per_s"] / dd_rate, 2)} for w in writer],
+        "writer": [{**w, "of_dd": round(w["gb_per_s"] / dd_rate, 2),
+                    **({"of_parallel_probe": round(w["gb_per_s"] / probe, 3)} if probe else {})} for w in writer],
     }
     write(doc, args.out)
 
