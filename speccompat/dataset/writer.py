@@ -5,9 +5,10 @@ Per sample (on a writer thread): cast to the stored dtype if needed, encode (saf
 the tensors' own buffers; or ``torch.save`` for the speculators layout), reserve the space, write,
 checksum each tensor's buffer, fsync, into ``<file>.<pid>.partial``. Per batch, once all its files
 are written (in submission order; the batches finished by then together, a group commit): append
-their manifest entries with one write + fsync, rename each file into place, fsync the directory once. Hence a visible sample file is complete and has
-its manifest entry, whenever the process dies; a crash between the manifest append and the renames
-leaves entries without files, which a resume redoes.
+their manifest entries with one write + fsync, rename each file into place, fsync the directory
+once. Hence a visible sample file is complete and has its manifest entry, whenever the process
+dies; a crash between the manifest append and the renames leaves entries without files, which a
+resume redoes.
 
 A full disk (ENOSPC, EDQUOT) or another I/O error stops the writer: the failing file's temporary
 file is removed, files already written are still committed with their entries, and the next
@@ -250,10 +251,12 @@ class DatasetWriter:
         if self.commit_failed:
             self._discard([tmp for batch in ready for _, tmp, _ in batch.done])
             return
-        group = _Batch([job for batch in ready for job in batch.jobs])
-        group.left, group.done = 0, [d for batch in ready for d in batch.done]
+        done: list[tuple[WriteJob, str, dict[str, Any]]] = []
+        for batch in ready:  # each batch's files in its jobs' order, the batches in submission order
+            order = {id(j): k for k, j in enumerate(batch.jobs)}
+            done += sorted(batch.done, key=lambda d: order[id(d[0])])
         try:
-            self._commit(group)
+            self._commit(done)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             self.commit_failed = True
             self._fail(exc)
@@ -265,10 +268,9 @@ class DatasetWriter:
             except OSError:
                 pass
 
-    def _commit(self, batch: _Batch) -> None:
+    def _commit(self, done: list[tuple[WriteJob, str, dict[str, Any]]]) -> None:
+        """One commit of ``done`` (job, temporary file, entry), in the order given."""
         t0 = time.perf_counter()
-        order = {id(j): k for k, j in enumerate(batch.jobs)}
-        done = sorted(batch.done, key=lambda d: order[id(d[0])])
         entries = [entry for _, _, entry in done]
         try:
             self.manifest.append(entries)

@@ -11,8 +11,9 @@ HOOK = Path(__file__).resolve().parent
 
 
 def crash_env(env: dict[str, str], *, after: int, argv: str, group: bool = False) -> dict[str, str]:
-    """``env`` with the hook armed: the process whose command line holds ``argv`` (words in a row)
-    SIGKILLs itself, or its process group with ``group``, once it committed ``after`` samples."""
+    """``env`` with the hook armed: the process whose command line holds ``argv`` (words in a row),
+    handed sample ``after`` + 1, waits until ``after`` samples are committed, then SIGKILLs itself,
+    or its process group with ``group``."""
     path = env.get("PYTHONPATH")
     return {**env, "PYTHONPATH": os.pathsep.join([str(HOOK), *([path] if path else [])]),
             "SPECCOMPAT_TEST_CRASH_AFTER": str(after), "SPECCOMPAT_TEST_CRASH_ARGV": argv,
