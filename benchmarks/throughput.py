@@ -283,6 +283,10 @@ def driver_extractor(args: argparse.Namespace):
         # and the tail: the last batch's files written after the engine's last step
         extract.stats = {**(getattr(gen, "_speccompat_stats", None) or {}), "files": stats.files,
                          "bytes": stats.bytes, "engine_waited_s": round(stats.waited_s, 3), "call": next(counter),
+                         # the writer's side: seconds writing files (summed over its threads), committing,
+                         # and the most bytes it held at once (the backlog behind the disk)
+                         "writer_write_s": round(stats.write_s, 3), "writer_commit_s": round(stats.commit_s, 3),
+                         "writer_peak_in_flight_gb": round(stats.peak_in_flight / 1e9, 3),
                          "setup_s": round(t1 - t0, 4), "engine_calls_s": round(t2 - t1, 4),
                          "tail_s": round(t3 - t2, 4), "loop_s_each": [e[0] for e in each],
                          "staging_made_each": [e[1] for e in each]}
