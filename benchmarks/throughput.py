@@ -127,9 +127,18 @@ def run_mode(args: argparse.Namespace) -> dict:
         views = {"copy": False} if args.mode.startswith("generator-views") else {}
 
         def extract(batch):
+            t0 = time.perf_counter()
             res = gen.generate(batch, **views)
+            t1 = time.perf_counter()
             assert len(res) == len(batch)
-            extract.stats = getattr(gen, "_speccompat_stats", None)  # phases of the last call
+            del res  # what a consumer does once it has used a call's results, timed on its own
+            extract.stats = getattr(gen, "_speccompat_stats", None) or {}  # phases of the last call
+            # every call's phases: generate() as the caller sees it, the part of it the phases
+            # account for (loop, collect, unpack; the rest is input checks and request set-up),
+            # and freeing the results
+            extract.calls.append({"call_s": round(t1 - t0, 4), "free_s": round(time.perf_counter() - t1, 4),
+                                  **{k: extract.stats.get(k) for k in ("loop_s", "collect_s", "unpack_s",
+                                                                        "staging_made")}})
 
         if args.mode == "generator-stream":
             from speccompat.generator import stream
@@ -155,6 +164,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     # what is timed is the steady state of a long extraction: engine caches warm, the workers'
     # staging files grown to the largest call and pinned. A call larger than any before replaces
     # a pinned multi-GB file (seconds on a GPU), which a long job pays once, not per call.
+    extract.calls = []
     for w, _, driver_batch in runs if args.warm_up == "each" else runs[:1]:
         extract.batch = driver_batch or args.driver_batch
         extract.bound = w["per_call"]
@@ -169,6 +179,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         extract.batch = driver_batch or args.driver_batch
         wall0, t0 = time.time(), time.perf_counter()
         extract.bound = w["per_call"]
+        extract.calls = []
         try:
             for batch in batches(w, args.mode):
                 extract(batch)
@@ -183,7 +194,8 @@ def run_mode(args: argparse.Namespace) -> dict:
                         "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
                         **({"driver_batch": extract.batch} if args.mode.startswith("driver") else {}),
                         **({"wall": [round(wall0, 3), round(wall0 + seconds, 3)]} if dp else {}),
-                        **({"last_call": extract.stats} if getattr(extract, "stats", None) else {})})
+                        **({"last_call": extract.stats} if getattr(extract, "stats", None) else {}),
+                        **({"calls": extract.calls} if extract.calls else {})})
     return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results,
             "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
 
