@@ -133,9 +133,9 @@ def run_mode(args: argparse.Namespace) -> dict:
             assert len(res) == len(batch)
             del res  # what a consumer does once it has used a call's results, timed on its own
             extract.stats = getattr(gen, "_speccompat_stats", None) or {}  # phases of the last call
-            # every call's phases: generate() as the caller sees it, the part of it the phases
-            # account for (loop, collect, unpack; the rest is input checks and request set-up),
-            # and freeing the results
+            # every call's phases: generate() as the caller sees it, the parts it reports (loop,
+            # collect, unpack; what they leave out is its input checks before the loop), and freeing
+            # the results
             extract.calls.append({"call_s": round(t1 - t0, 4), "free_s": round(time.perf_counter() - t1, 4),
                                   **{k: extract.stats.get(k) for k in ("loop_s", "collect_s", "unpack_s",
                                                                         "staging_made")}})

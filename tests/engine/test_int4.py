@@ -76,7 +76,7 @@ def _int4_reason() -> str | None:
 
     from speccompat.testing.models import RECIPES
 
-    cfg = RECIPES["kimi_k25"].config.get("text_config", RECIPES["kimi_k25"].config)
+    cfg = RECIPES["kimi_k25"].config  # the stand-in's text model: DeepseekV3's router settings
     routing = get_routing_method_type(cfg["scoring_func"], cfg["num_experts_per_tok"], cfg["norm_topk_prob"],
                                       cfg["n_group"], cfg["topk_method"] == "noaux_tc")
     refusals = []
