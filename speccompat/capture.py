@@ -199,6 +199,21 @@ def all_finite(t: Any) -> bool:
     return not bool(any_nonfinite(t))
 
 
+def maybe_nonfinite(t: Any) -> Any:
+    """A screen for inf and nan, as a tensor on ``t``'s device (no synchronisation): ``False`` means
+    every value is finite; ``True`` means some value may not be, to be confirmed with
+    :func:`any_nonfinite`. For bfloat16 and float32 it is whether the sum of all values is finite:
+    a nan or an inf anywhere makes the sum non-finite, and a finite sum can only turn infinite by
+    overflow (above 3.4e38), which the confirmation then clears. One read of the data: 13x faster
+    than :func:`any_nonfinite` on CPU for bfloat16. float16 (a sum overflows at 65,504) and other
+    dtypes are screened exactly."""
+    import torch
+
+    if t.dtype in (torch.bfloat16, torch.float32):
+        return ~torch.isfinite(t.sum())
+    return any_nonfinite(t)
+
+
 @dataclass
 class _Step:
     scheduled: dict[str, int]
@@ -209,6 +224,27 @@ class _Step:
     input_ids: Any = None
     padded_tokens: int = 0
     layers: dict[int, Any] = field(default_factory=dict)
+    #: Set when the step ended (:meth:`WorkerCapture._screen`): on a GPU an event on the compute
+    #: stream after the step (``ended``) and one on the side stream after the host copies of its
+    #: positions, token ids and finiteness screen (``screened``); ``host``: those copies.
+    ended: Any = None
+    screened: Any = None
+    host: Any = None
+    number: int = -1  # the step's number in a stream (speccompat.streaming), once verified
+    flagged: bool = False  # the screen found states that may not be finite (a stream's step, verified)
+
+    def inputs(self) -> tuple[Any, Any, bool]:
+        """``(positions, token ids or None, flagged)`` on the host, as numpy arrays; ``flagged``: the
+        screen found that some state of the step may not be finite (:func:`maybe_nonfinite`). Waits
+        for this step's host copies only, not for the steps after it."""
+        if self.host is None:  # not screened (a test's step): read from the device
+            ids = self.input_ids.cpu().numpy() if self.input_ids is not None else None
+            flags = [bool(maybe_nonfinite(t)) for t in self.layers.values()]
+            return self.positions.cpu().numpy(), ids, any(flags)
+        if self.screened is not None:
+            self.screened.synchronize()
+        pos, ids, flagged = self.host
+        return pos.numpy(), (ids.numpy() if ids is not None else None), bool(flagged.any())
 
 
 class _Plan:
@@ -349,8 +385,10 @@ class WorkerCapture:
                 step, self.active = self.active, None
                 if step is not None and step.order is not None:
                     self.steps.append(step)
-                    if self.plan is not None and self.keep:
-                        self._place(step)
+                    if self.keep and step.positions is not None:
+                        if self.plan is not None:
+                            self._place(step)
+                        self._screen(step)
 
         self._set_instance_attr(self.runner, "execute_model", types.MethodType(execute_model, self.runner))
 
@@ -504,6 +542,35 @@ class WorkerCapture:
                 for s0, d0, n in runs:
                     buf[i, d0 : d0 + n].copy_(t[s0 : s0 + n], non_blocking=True)
 
+    def _screen(self, step: _Step) -> None:
+        """Bring the step's positions, token ids and finiteness screen (one flag per layer) to the
+        host as the step ends. On a GPU on the side stream, after the step's work, while the next
+        step runs: what verifies the step later (:meth:`_Step.inputs`) then waits for this step's
+        copies alone, never for the steps submitted after it; ``step.ended`` marks the step's end on
+        the compute stream, for the copies of a stream's take (``speccompat.streaming.take``)."""
+        import torch
+
+        layers = [step.layers[i] for i in self.layer_ids if i in step.layers]
+        device = step.positions.device
+        if device.type != "cuda":
+            flags = torch.stack([maybe_nonfinite(t) for t in layers]) if layers else torch.zeros(1, dtype=torch.bool)
+            step.host = (step.positions.cpu(), step.input_ids.cpu() if step.input_ids is not None else None, flags)
+            return
+        step.ended = torch.cuda.Event()
+        step.ended.record(torch.cuda.current_stream(device))
+        side = self._side_stream(device)
+        side.wait_event(step.ended)
+        with torch.cuda.stream(side):
+            for t in (*layers, step.positions, step.input_ids):
+                if t is not None:
+                    t.record_stream(side)  # the caching allocator must not reuse it before the screen ran
+            flags = torch.stack([maybe_nonfinite(t) for t in layers]) if layers else torch.zeros(1, dtype=torch.bool,
+                                                                                                device=device)
+            step.host = tuple(t.to("cpu", non_blocking=True) if t is not None else None  # pinned, asynchronous
+                              for t in (step.positions, step.input_ids, flags))
+            step.screened = torch.cuda.Event()
+            step.screened.record(side)
+
     # -------------------------------------------------------------------------------- assembly
     def collect(self, req_ids: list[str], busy: Any = ()) -> dict[str, Any] | None:
         """Verify and pack the states of ``req_ids`` (in that order). Only TP rank 0 answers."""
@@ -522,6 +589,7 @@ class WorkerCapture:
         chunks: dict[str, list[tuple[int, int]]] = {}  # rid -> [(row in all steps' tokens, n)]
         done: dict[str, int] = {}
         restarts = base = unverified = 0
+        flagged = False  # the screen of some step found values that may not be finite
         for k, step in enumerate(self.steps):
             if len(step.layers) != len(self.layer_ids):
                 missing = sorted(set(self.layer_ids) - set(step.layers))
@@ -535,7 +603,8 @@ class WorkerCapture:
             offsets = np.concatenate(([0], np.cumsum(sizes)[:-1]))
             if int(sizes.sum()) != step.num_tokens:
                 raise HiddenStatesError(f"step {k}: {int(sizes.sum())} tokens attributed, {step.num_tokens} scheduled")
-            pos = step.positions.cpu().numpy()
+            pos, ids, step_flagged = step.inputs()
+            flagged = flagged or step_flagged
             starts = pos[offsets].tolist() if len(pos) else []
             for rid, start in zip(step.order, starts, strict=True):
                 if start == 0 and done.get(rid):
@@ -550,7 +619,7 @@ class WorkerCapture:
                 bad = int(np.flatnonzero(pos != expected)[0])
                 rid = step.order[int(np.searchsorted(offsets, bad, side="right")) - 1]
                 raise self._misplaced(k, rid, pos, step, done.get(rid, 0))
-            if step.input_ids is None or not all(rid in self.prompts for rid in step.order):
+            if ids is None or not all(rid in self.prompts for rid in step.order):
                 if self.strict:
                     raise HiddenStatesError(
                         f"step {k}: its token ids could not be read (the model was called without "
@@ -561,7 +630,6 @@ class WorkerCapture:
             else:
                 want = [t for rid, s0, n in zip(step.order, starts, sizes.tolist(), strict=True)
                         for t in self.prompts[rid][s0 : s0 + n]]
-                ids = step.input_ids.cpu().numpy()
                 if not np.array_equal(ids, np.asarray(want, dtype=ids.dtype)):
                     bad = int(np.flatnonzero(ids != np.asarray(want, dtype=ids.dtype))[0])
                     i = int(np.searchsorted(offsets, bad, side="right")) - 1
@@ -585,7 +653,7 @@ class WorkerCapture:
         if plan is not None:
             plan.wait()  # the last steps' copies
             if (plan.off is None and plan.buf is not None and restarts == 0 and plan.req_ids == list(req_ids)
-                    and plan.lengths == lengths and not self._any_nonfinite()):
+                    and plan.lengths == lengths and not (flagged and self._any_nonfinite())):
                 stats = self._stats(req_ids, chunks, restarts, unverified, t0, t_verified, len(self.steps))
                 return {"req_ids": list(req_ids), "lengths": lengths, "layer_ids": list(self.layer_ids),
                         "states": plan.desc, "nonfinite": {}, "stats": stats}
@@ -640,8 +708,8 @@ class WorkerCapture:
         }
 
     def _any_nonfinite(self) -> bool:
-        """Whether any captured row holds inf or nan: one flag per step and layer, on the device,
-        and one synchronisation."""
+        """Whether any captured row holds inf or nan (exactly: the confirmation of a screen that
+        flagged some step): one flag per step and layer, on the device, and one synchronisation."""
         import torch
 
         flags = [any_nonfinite(t) for step in self.steps for t in step.layers.values()]

@@ -15,6 +15,7 @@ is pickled by reference), so the worker extension needs no new method.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -53,12 +54,17 @@ def end(worker: Any) -> None:
     cap.stream = None
 
 
-def _ingest(cap: Any, st: _Stream) -> None:
-    """Verify the steps that ran since the last call and record each request's chunks."""
+def _ingest(cap: Any, st: _Stream, req_ids: list[str]) -> None:
+    """Verify the steps that ran since the last call, up to the last one that scheduled any of
+    ``req_ids``, and record each request's chunks. The steps after it stay for the next take: on a
+    GPU they may still be running, and verifying one means waiting for it."""
     import numpy as np
 
-    for step in cap.steps:
-        k = st.steps
+    wanted = set(req_ids)
+    last = max((j for j, step in enumerate(cap.steps) if wanted.intersection(step.scheduled)), default=-1)
+    ready, cap.steps = cap.steps[: last + 1], cap.steps[last + 1 :]
+    for step in ready:
+        k = step.number = st.steps
         st.steps += 1
         if len(step.layers) != len(cap.layer_ids):
             missing = sorted(set(cap.layer_ids) - set(step.layers))
@@ -70,7 +76,7 @@ def _ingest(cap: Any, st: _Stream) -> None:
         if int(sizes.sum()) != step.num_tokens:
             raise HiddenStatesError(f"step {k}: {int(sizes.sum())} tokens attributed, {step.num_tokens} scheduled")
         offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-        pos = step.positions.cpu().numpy()
+        pos, ids, step.flagged = step.inputs()
         starts = pos[offsets].tolist() if len(pos) else []
         for rid, start in zip(step.order, starts, strict=True):
             if start == 0 and st.done.get(rid):  # preempted and recomputed: earlier chunks are void
@@ -83,13 +89,12 @@ def _ingest(cap: Any, st: _Stream) -> None:
             bad = int(np.flatnonzero(pos != expected)[0])
             rid = step.order[int(np.searchsorted(offsets, bad, side="right")) - 1]
             raise cap._misplaced(k, rid, pos, step, st.done.get(rid, 0))
-        if step.input_ids is None or not all(rid in cap.prompts for rid in step.order):
+        if ids is None or not all(rid in cap.prompts for rid in step.order):
             if cap.strict:
                 raise HiddenStatesError(f"step {k}: its token ids could not be read, so the tokens of "
                                         f"{step.order} cannot be verified against their prompts (strict mode)")
             st.unverified += 1
         else:
-            ids = step.input_ids.cpu().numpy()
             want = np.asarray([t for rid, s0, n in zip(step.order, starts, sizes.tolist(), strict=True)
                                for t in cap.prompts[rid][s0 : s0 + n]], dtype=ids.dtype)
             if not np.array_equal(ids, want):
@@ -100,12 +105,17 @@ def _ingest(cap: Any, st: _Stream) -> None:
         for rid, s0, off, n in zip(step.order, starts, offsets.tolist(), sizes.tolist(), strict=True):
             st.chunks.setdefault(rid, []).append((step, off, n))
             st.done[rid] = s0 + n
-    cap.steps = []  # the chunks hold what is still needed
 
 
 def take(worker: Any, req_ids: list[str], busy: list[str]) -> dict[str, Any] | None:
     """Verified states of the finished requests ``req_ids``, packed like ``_get_captured_states``'
-    reply (``[layers, sum of lengths, hidden]``, requests in that order); they are then forgotten."""
+    reply (``[layers, sum of lengths, hidden]``, requests in that order); they are then forgotten.
+
+    On a GPU the take runs while the next step computes (the driver queues it behind that step): it
+    waits for nothing that step does. The host copies of the earlier steps' positions, token ids
+    and finiteness screens were made as each step ended (``WorkerCapture._screen``), and the rows
+    are copied into the staging file on a stream of their own that waits for the end of the last
+    step holding them; the take then waits for those copies alone before it replies."""
     from .capture import any_nonfinite
 
     cap = _capture(worker)
@@ -118,7 +128,7 @@ def take(worker: Any, req_ids: list[str], busy: list[str]) -> dict[str, Any] | N
             cap.prompts.pop(rid, None)
         return None
     t0 = time.perf_counter()
-    _ingest(cap, st)
+    _ingest(cap, st, req_ids)
     lengths = []
     for rid in req_ids:
         want = len(cap.prompts.get(rid, ()))
@@ -133,25 +143,45 @@ def take(worker: Any, req_ids: list[str], busy: list[str]) -> dict[str, Any] | N
 
     parts = [(rid, st.chunks.pop(rid)) for rid in req_ids]
     st.chunked += sum(len(chunks) > 1 for _, chunks in parts)
-    flags = [any_nonfinite(step.layers[layer_id][off : off + n])
-             for _, chunks in parts for step, off, n in chunks for layer_id in cap.layer_ids]
+    copier = _copy_stream(cap, first.device, [step for _, chunks in parts for step, _, _ in chunks])
     nonfinite: dict[int, tuple[int, int]] = {}
-    check = bool(torch.stack(flags).any())  # one synchronisation
     row = 0
-    for rid, chunks in parts:
-        for step, off, n in chunks:
-            for i, layer_id in enumerate(cap.layer_ids):
-                part = step.layers[layer_id][off : off + n]
-                if check and layer_id not in nonfinite and bool(any_nonfinite(part)):
-                    bad = ~torch.isfinite(part).all(dim=-1)
-                    nonfinite[layer_id] = (row + int(bad.nonzero()[0, 0]), int(bad.sum()))
-                buf[i, row : row + n].copy_(part, non_blocking=True)
-            row += n
-        del st.done[rid], cap.prompts[rid]
-    cap.staging.ready()
+    with torch.cuda.stream(copier) if copier is not None else contextlib.nullcontext():
+        for rid, chunks in parts:
+            for step, off, n in chunks:
+                for i, layer_id in enumerate(cap.layer_ids):
+                    part = step.layers[layer_id][off : off + n]
+                    if step.flagged and layer_id not in nonfinite and bool(any_nonfinite(part)):
+                        bad = ~torch.isfinite(part).all(dim=-1)
+                        nonfinite[layer_id] = (row + int(bad.nonzero()[0, 0]), int(bad.sum()))
+                    buf[i, row : row + n].copy_(part, non_blocking=True)
+                row += n
+            del st.done[rid], cap.prompts[rid]
+    if copier is not None:
+        copier.synchronize()  # the rows are in the staging file; the step running now goes on
+    else:
+        cap.staging.ready()
     made, made_s = cap.staging.take_made()
     stats = {"steps": st.steps, "chunked": st.chunked, "restarted": st.restarts, "unverified_steps": st.unverified,
              "worker_take_s": round(time.perf_counter() - t0, 4), "staging_made": made,
              "staging_made_s": round(made_s, 4)}
     return {"req_ids": list(req_ids), "lengths": lengths, "layer_ids": list(cap.layer_ids), "states": desc,
             "nonfinite": nonfinite, "stats": stats}
+
+
+def _copy_stream(cap: Any, device: Any, steps: list[Any]) -> Any:
+    """On a GPU, the stream of a take's copies, made to wait for the end of the last of ``steps``
+    on the compute stream (and for nothing after it); ``None`` on a CPU (the copies are made at once)."""
+    if getattr(device, "type", device) != "cuda":
+        return None
+    import torch
+
+    copier = getattr(cap, "_take_stream", None)
+    if copier is None:
+        copier = cap._take_stream = torch.cuda.Stream(device)
+    last = max(steps, key=lambda step: step.number)
+    if all(step.ended is not None for step in steps):
+        copier.wait_event(last.ended)
+    else:  # a step that was not screened: wait for everything submitted so far
+        copier.wait_stream(torch.cuda.current_stream(device))
+    return copier

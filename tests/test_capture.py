@@ -225,10 +225,31 @@ def test_placed_states_with_non_finite_values_are_reported_as_gathered_ones(tp):
         runner, cap = make([1])
         runner.prompts = {"a": [5, 6, 7], "b": [8, 9, 10]}
         cap.reset(**plan)
+
+        def poison(module, inputs, output):  # the layer itself yields inf at token 1 of b
+            output[1][4, 2] = float("inf")
+
+        runner.model.model.layers[1].register_forward_hook(poison, prepend=True)  # before the capture's
         step(runner, ["a", "b"], {"a": (0, 3), "b": (0, 3)}, new=["a", "b"])
-        cap.steps[0].layers[1][4, 2] = float("inf")  # token 1 of b
         outs.append(cap.collect(["a", "b"]))
     assert outs[0]["nonfinite"] == outs[1]["nonfinite"] == {1: (4, 1)}
+
+
+def test_a_screen_that_overflows_on_finite_states_is_cleared_by_the_exact_check(tp):
+    """The per-step screen sums the states: finite values whose sum overflows flag the step, and the
+    exact check then finds nothing, so the placed reply goes out with no non-finite report."""
+    runner, cap = make([1])
+    runner.prompts = {"a": [5, 6, 7], "b": [8, 9, 10]}
+    cap.reset(req_ids=["a", "b"], lengths=[3, 3])
+
+    def huge(module, inputs, output):
+        output[1][:, :] = 3e38  # finite in float32; eight of them in a row sum to inf
+
+    runner.model.model.layers[1].register_forward_hook(huge, prepend=True)
+    step(runner, ["a", "b"], {"a": (0, 3), "b": (0, 3)}, new=["a", "b"])
+    assert cap.steps[0].inputs()[2]  # flagged by the screen
+    out = cap.collect(["a", "b"])
+    assert out["nonfinite"] == {} and out["stats"]["placed_steps"] == 1
 
 
 def test_a_preempted_request_counts_only_its_recomputation(tp):
@@ -410,6 +431,23 @@ def test_all_finite_matches_isfinite(dtype, value):
     t = torch.randn(64, 32).to(dtype)
     t[17, 5] = value
     assert all_finite(t) == bool(torch.isfinite(t).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 3.0, 6e4])
+def test_the_screen_never_misses_a_non_finite_value(dtype, value):
+    """maybe_nonfinite: False only when every value is finite; a flag on finite values only where
+    the sum overflows (float16 is screened exactly)."""
+    from speccompat.capture import maybe_nonfinite
+
+    t = torch.ones(64, 32, dtype=dtype)
+    t[17, 5] = value
+    finite = bool(torch.isfinite(t).all())
+    flag = bool(maybe_nonfinite(t))
+    assert flag or finite
+    if dtype == torch.float16 or not finite:
+        assert flag == (not finite)
+
 
 
 # --------------------------------------------------------------------------- output conventions

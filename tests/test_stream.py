@@ -101,7 +101,8 @@ class Scheduler:
 class Worker:
     """speccompat's WorkerCapture without a model: each step's layer states are made up."""
 
-    def __init__(self, nan_token: int | None) -> None:
+    def __init__(self, nan_token: int | None, device: str = "cpu") -> None:
+        self.device = device
         cap = object.__new__(capture.WorkerCapture)
         cap.layer_ids, cap.keep, cap.tp_size, cap.strict = list(LAYERS), True, 1, True
         cap.steps, cap.collecting, cap.active, cap.prompts, cap.plan, cap._side = [], False, None, {}, None, None
@@ -121,15 +122,17 @@ class Worker:
             layers = {}
             for layer in LAYERS:
                 rows = [expected(so.chunks[rid][2], layer)[slice(*so.chunks[rid][:2])] for rid in order]
-                layers[layer] = torch.cat(rows).to(torch.bfloat16)
+                layers[layer] = torch.cat(rows).to(self.device, torch.bfloat16)
                 if self.nan_token in ids:
                     layers[layer][ids.index(self.nan_token)] = float("nan")
             step = capture._Step(scheduled={r: so.chunks[r][1] - so.chunks[r][0] for r in order}, order=order,
-                                 num_tokens=len(pos), positions=torch.tensor(pos), input_ids=torch.tensor(ids),
+                                 num_tokens=len(pos), positions=torch.tensor(pos, device=self.device),
+                                 input_ids=torch.tensor(ids, device=self.device),
                                  padded_tokens=len(pos), layers=layers)
-            cap.steps.append(step)
+            cap.steps.append(step)  # what WorkerCapture's execute_model does as a step ends
             if cap.plan is not None:
                 cap._place(step)
+            cap._screen(step)
         return {"step": so.id, "sampled": sampled}
 
 
@@ -357,3 +360,39 @@ def test_bounds_are_checked(gen, bad):
         generator.stream(gen, [[1]], max_in_flight_sequences=bad)
     with pytest.raises(TypeError, match="iterable of token id sequences"):
         generator.stream(gen, "abc")
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="the take's CUDA streams need a GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_take_verifies_only_the_steps_that_hold_its_requests(device, monkeypatch):
+    """On a GPU verifying a step waits for it: a take after step k+1 was submitted, for requests that
+    finished in step k, must not touch step k+1 (it stays for the next take). On a GPU the rows
+    travel through the pinned staging file, copied on the take's own stream."""
+    from speccompat import streaming
+
+    monkeypatch.setattr(transport, "INLINE_LIMIT", 0)  # tiny states, but through the staging file
+    worker = Worker(None, device)
+    cap = worker._speccompat_capture
+    streaming.begin(worker)
+    a, b, c = [5, 6, 7], [8, 9, 10, 11], [12, 13]
+
+    def run(k, chunks, new):
+        worker.run(types.SimpleNamespace(id=k, chunks=chunks, new=new))
+
+    run(0, {"a": (0, 3, a), "b": (0, 2, b)}, {"a": a, "b": b})
+    run(1, {"b": (2, 4, b), "c": (0, 2, c)}, {"c": c})
+    run(2, {}, {})  # a step without tokens: nothing recorded
+    out = streaming.take(worker, ["a"], [])
+    assert out["req_ids"] == ["a"] and out["stats"]["steps"] == 1 and len(cap.steps) == 1
+    assert "staging" in out["states"]
+    assert torch.equal(transport.unpack(out["states"])[0], expected(a, LAYERS[0]).to(torch.bfloat16))
+    out = streaming.take(worker, ["c", "b"], [])
+    assert out["lengths"] == [2, 4] and out["stats"]["steps"] == 2 and out["stats"]["chunked"] == 1
+    got = torch.split(transport.unpack(out["states"])[1], out["lengths"])
+    for seq, g in zip((c, b), got, strict=True):
+        assert torch.equal(g, expected(seq, LAYERS[1]).to(torch.bfloat16))
+    assert cap.steps == [] and cap.stream.chunks == {}
+    streaming.end(worker)
