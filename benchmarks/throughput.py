@@ -3,12 +3,15 @@
 
 Modes (each runs in its own fresh process, one after the other; engine start-up and an untimed
 warm-up pass of each workload, --warm-up, excluded):
-  generator  speculators' VllmHiddenStatesGenerator under speccompat (this project)
+  generator  speculators' VllmHiddenStatesGenerator under speccompat (this project), generate() as
+             it runs by default (on GPUs on top of speccompat.generator.stream, on CPUs one call)
   generator-views  the same with generate(copy=False): views of the worker's shared-memory
              file instead of one copy per sequence and layer
   generator-on-stream  the same, generate() on top of speccompat.generator.stream
              (SPECCOMPAT_GENERATE=stream): each sequence copied out as soon as its last step ran,
              while the next steps run, instead of the whole call after the loop
+  generator-on-call  the same, the one-call path forced (SPECCOMPAT_GENERATE=call): the whole call's
+             states copied out after the loop (the default on CPUs, and on GPUs before 2026-12-03)
   generator-stream  speccompat.generator.stream() with copies: sequences admitted as earlier ones are
              handed out (at most --sequences-per-call in flight, 0: no bound), each handed out as soon
              as its last step ran
@@ -116,6 +119,8 @@ def run_mode(args: argparse.Namespace) -> dict:
             os.environ["SPECCOMPAT_IN_FLIGHT"] = "1"
         if args.mode == "generator-on-stream":
             os.environ["SPECCOMPAT_GENERATE"] = "stream"
+        if args.mode == "generator-on-call":
+            os.environ["SPECCOMPAT_GENERATE"] = "call"
         import speccompat
 
         speccompat.apply()
@@ -501,7 +506,7 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["generator", "plain"],
-                    choices=["generator", "generator-on-stream", "generator-stream", "generator-views",
+                    choices=["generator", "generator-on-stream", "generator-on-call", "generator-stream", "generator-views",
                              "generator-views-sync", "plain", "plain-sync", "original", "native",
                              "driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-dp"])
     ap.add_argument("--driver-dir", default="/dev/shm/speccompat-bench" if os.path.isdir("/dev/shm") else
@@ -609,7 +614,8 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     ratios = {}
     for w in workloads:
         ratios[w["name"]] = {f"{mine}/{other}": round(g / t, 3) if g and t else None
-                             for mine in ("generator", "generator-on-stream", "generator-stream", "generator-views",
+                             for mine in ("generator", "generator-on-stream", "generator-on-call", "generator-stream",
+                                          "generator-views",
                                           "generator-views-sync", "driver", "driver-disk", "driver-stream",
                                           "driver-stream-disk", "driver-dp")
                              for g in [tps(mine, w["name"])]
