@@ -120,3 +120,26 @@ def test_a_kv_cache_too_small_is_a_setting_not_a_transient_failure(engine):
     assert isinstance(e.value, HiddenStatesError) and e.value.longest == 3
     assert "gpu_memory_utilization" in str(e.value)
     assert engine.scheduler.finished == [(["req_0_0", "req_0_1"], "aborted")]
+
+
+@pytest.mark.parametrize(("device_type", "env", "mode"), [
+    ("cuda", "", "stream"), ("cpu", "", "call"), (None, "", "call"),
+    ("cuda", "call", "call"), ("cpu", "stream", "stream"),
+])
+def test_generate_runs_on_the_stream_by_default_on_gpus_only(engine, monkeypatch, device_type, env, mode):
+    """The mode follows the engine's device type (from its configuration) unless SPECCOMPAT_GENERATE
+    says otherwise; what the call then does shows it (the workers' first RPC)."""
+    from speccompat import streaming
+
+    monkeypatch.setenv("SPECCOMPAT_GENERATE", env)
+    engine.vllm_config.device_config = types.SimpleNamespace(device_type=device_type)
+    assert generator.generate_mode(generator._device_type(engine.vllm_config)) == mode
+    with pytest.raises(StepFailed):
+        generator.compat_generate(engine, [[1, 2, 3]])
+    assert engine.executor.rpcs[0] == {"call": "_reset_capture", "stream": streaming.begin}[mode]
+
+
+def test_a_bad_generate_mode_is_named(monkeypatch):
+    monkeypatch.setenv("SPECCOMPAT_GENERATE", "fast")
+    with pytest.raises(ValueError, match="SPECCOMPAT_GENERATE='fast'"):
+        generator.generate_mode("cuda")
