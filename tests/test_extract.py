@@ -282,3 +282,14 @@ def test_the_progress_bar_counts_tokens_on_a_terminal_only(monkeypatch):
     assert ex._progress_bar(cfg(), todo) is None
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
     assert ex._progress_bar(cfg(), todo) is None and len(made) == 1
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 2), (2, 2), (5, 2), (8, 4), (16, 8), (64, 16), (224, 16)])
+def test_default_writer_threads_is_half_the_cpus_within_bounds(monkeypatch, cpus, threads):
+    monkeypatch.setattr(ex.os, "sched_getaffinity", lambda _pid: set(range(cpus)), raising=False)
+    assert ex.default_writer_threads() == threads
+    assert ex.parse_args(["--model-path", "m", "--prepared-data", "d", "--output-dir", "o"]).writer_threads == threads
+    cfg = ex.ExtractConfig(model_path="m", prepared_data=ex.Path("d"), output_dir=ex.Path("o"))
+    assert cfg.writer_threads == threads
+    assert "--writer-threads" not in cfg.to_argv()  # left for the machine that runs the job
+    assert dataclasses.replace(cfg, writer_threads=threads + 1).to_argv()[-2:] == ["--writer-threads", str(threads + 1)]

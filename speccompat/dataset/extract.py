@@ -83,7 +83,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="corrupt input lines: skip them with a warning, or stop before the engine starts")
     ap.add_argument("--on-long-line", choices=("truncate", "skip", "fail"), default="truncate",
                     help="lines longer than --max-seq-len: keep the first max-seq-len tokens, skip, or stop")
-    ap.add_argument("--writer-threads", type=positive_int, default=4, help="threads writing files")
+    ap.add_argument("--writer-threads", type=positive_int, default=default_writer_threads(),
+                    help="threads writing files (default: half the CPUs this process may use, 2 to 16; "
+                         "%(default)s here)")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0,
                     help="memory for states in flight: half for samples admitted to the engine and not yet "
                          "handed out, half for results not yet written (beyond it the engine waits)")
@@ -109,6 +111,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="run the --data-parallel-size engines as Ray actors on an existing cluster")
     sc.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS", "auto"),
                     help="the Ray cluster (host:port, auto, or local: a one-node cluster in this process)")
+
+
+def default_writer_threads() -> int:
+    """Writer threads when ``--writer-threads`` is not given: half the CPUs this process may run on,
+    at least 2 and at most 16. Each thread spends most of its time in ``write`` and ``fsync`` (GIL
+    released), but its checksums and the caller's loop share the cores; on a 16-core H200 host this
+    is the 8 threads its benchmarks ran with (docs/benchmarks.md), on a 2-core machine 2."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 4
+    return max(2, min(16, cpus // 2))
 
 
 def positive_int(text: str) -> int:
@@ -154,7 +168,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     on_bad_line: str = "fail"
     on_long_line: str = "truncate"
-    writer_threads: int = 4
+    writer_threads: int = dataclasses.field(default_factory=lambda: default_writer_threads())
     max_in_flight_gb: float = 8.0
     token_freq_path: Path | None = None
     log_level: str = "INFO"
@@ -177,7 +191,8 @@ class ExtractConfig:
         argv: list[str] = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value == f.default:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if value == default:  # a machine-dependent default is left for the machine that runs the job
                 continue
             flag = "--" + f.name.replace("_", "-")
             if f.name == "progress":
