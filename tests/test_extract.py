@@ -284,8 +284,8 @@ def test_the_progress_bar_counts_tokens_on_a_terminal_only(monkeypatch):
     assert ex._progress_bar(cfg(), todo) is None and len(made) == 1
 
 
-@pytest.mark.parametrize(("cpus", "threads"), [(1, 2), (2, 2), (5, 2), (8, 4), (16, 8), (64, 16), (224, 16)])
-def test_default_writer_threads_is_half_the_cpus_within_bounds(monkeypatch, cpus, threads):
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 2), (2, 2), (3, 3), (8, 8), (16, 16), (17, 16), (224, 16)])
+def test_default_writer_threads_is_one_per_cpu_within_bounds(monkeypatch, cpus, threads):
     monkeypatch.setattr(ex.os, "sched_getaffinity", lambda _pid: set(range(cpus)), raising=False)
     assert ex.default_writer_threads() == threads
     assert ex.parse_args(["--model-path", "m", "--prepared-data", "d", "--output-dir", "o"]).writer_threads == threads
