@@ -534,7 +534,8 @@ def main() -> int:
     ap.add_argument("--driver-batches", type=int, nargs="*", default=[],
                     help="driver modes: also time the main workload at these sequences per call (same engine)")
     ap.add_argument("--dp-size", type=int, default=None, help="driver-dp: engines side by side (default 2)")
-    ap.add_argument("--writer-threads", type=int, default=4, help="driver modes: writer threads")
+    ap.add_argument("--writer-threads", type=int, default=None,
+                    help="driver modes: writer threads (default: the driver's, one per CPU, 2 to 16)")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0, help="driver modes: in-flight budget")
     ap.add_argument("--warm-up", choices=["each", "first"], default="each",
                     help="untimed pass before timing: of every workload and batch size (each), or of the "
@@ -553,6 +554,10 @@ def main() -> int:
     if chosen.config:
         ap.set_defaults(**CONFIGS[chosen.config])
     args = ap.parse_args()
+    if args.writer_threads is None:  # as the driver would run on this machine
+        from speccompat.dataset.extract import default_writer_threads
+
+        args.writer_threads = default_writer_threads()
     if args.child:
         args.mode = args.child
         Path(args.child_out).write_text(json.dumps(run_mode(args)))
