@@ -149,6 +149,8 @@ def main() -> None:
     from speccompat.dataset.checksum import default_algorithm
 
     args.checksums = [default_algorithm() if c == "default" else c for c in args.checksums]
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="writer-bench-", dir=args.dir))
     try:
         samples, states = fake(args, torch)
