@@ -169,7 +169,7 @@ class ExtractConfig:
     dtype: str = "bfloat16"
     on_bad_line: str = "fail"
     on_long_line: str = "truncate"
-    writer_threads: int = dataclasses.field(default_factory=lambda: default_writer_threads())
+    writer_threads: int = dataclasses.field(default_factory=default_writer_threads)
     max_in_flight_gb: float = 8.0
     token_freq_path: Path | None = None
     log_level: str = "INFO"
