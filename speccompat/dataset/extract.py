@@ -117,8 +117,9 @@ def default_writer_threads() -> int:
     """Writer threads when ``--writer-threads`` is not given: one per CPU this process may run on, at
     least 2 and at most 16. Each thread spends most of its time in ``write`` and ``fsync`` with the
     GIL released, so a disk with deep queues takes more files at once. On the 16-core H200 host,
-    16 threads wrote 1.81 GB/s to its local disk against 1.68 GB/s with 8, and the engine ran as
-    fast beside them (benchmarks/NOTES.md, "Writer threads and the prepared input")."""
+    16 threads wrote 1.81 GB/s to its local disk against 1.68 GB/s with 8 (one run), and beside 16
+    the driver's engine phase was 0.95-0.96 of plain prefill, as it was beside 8 in an earlier lease
+    (benchmarks/NOTES.md, "Writer threads and the prepared input")."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
