@@ -12,6 +12,15 @@ buffers, checksums on the writer threads, fsyncs and renames grouped per batch) 
   largest ``--threads`` value of threads, each writing whole files of the sample size and fsync'ing
   each; ``benchmarks/throughput.py``'s ``disk_parallel_write_gbps``).
 
+``--variants`` measure the writer's parts apart, each variant switching one of them off (what a
+variant leaves out is not durable or not checked: these are measurements, never a mode of the
+writer): ``no-reserve`` (no ``posix_fallocate`` before the write), ``no-checksum``, ``no-commit-sync``
+(the commit's manifest and directory fsyncs skipped; every file still fsync'd), ``bare`` (all
+three). ``writeback`` adds instead of removing: after each write the file's new range is handed to
+the disk at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux), so the fsync that follows
+waits for less. With ``--rounds R`` every variant runs R times, interleaved with the parallel probe
+(``--parallel-probe``), so that each is compared with the disk as it was that minute.
+
 ``--batch 1`` is how the streaming driver submits (one sample per batch). ``writer_sha256`` names the
 writer code that ran (``speccompat/dataset/writer.py`` as imported), so that runs of two versions of
 it, one after the other on the same disk, can be told apart.
@@ -39,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write  # noqa: E402
+from throughput import settle  # noqa: E402  (sync() after each deletion, outside the clocks)
 
 
 def dd(path: Path, nbytes: int, block: int = 8 << 20) -> float:
@@ -54,6 +64,7 @@ def dd(path: Path, nbytes: int, block: int = 8 << 20) -> float:
         os.close(fd)
     s = time.perf_counter() - t0
     path.unlink()
+    settle()
     return s
 
 
@@ -77,14 +88,78 @@ def provenance(args):
             "max_seq_len": args.tokens, "layout": "safetensors", "created": "bench"}
 
 
-def run_writer(args, root: Path, samples, states, threads: int, checksum: str) -> dict:
+VARIANTS = ("writer", "no-reserve", "no-checksum", "no-commit-sync", "bare", "writeback")
+
+
+def _sync_file_range():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.sync_file_range
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return lambda fd, offset, n: fn(fd, offset, n, 2)  # SYNC_FILE_RANGE_WRITE
+
+
+def variant_ops(variant: str, manifest_path: Path):
+    """The writer's file operations for ``variant`` (see the module's docstring)."""
+    from speccompat.dataset.fsutil import FileOps
+
+    off = {"no-reserve": {"reserve"}, "no-commit-sync": {"commit-sync"},
+           "bare": {"reserve", "commit-sync"}}.get(variant, set())
+
+    start_writeback = _sync_file_range() if variant == "writeback" else None
+
+    class Ops(FileOps):
+        manifest_fds: set[int] = set()
+
+        @staticmethod
+        def write(fd, buf):
+            n = os.write(fd, buf)
+            if start_writeback is not None:
+                start_writeback(fd, os.lseek(fd, 0, os.SEEK_CUR) - n, n)
+            return n
+
+        @staticmethod
+        def open(path, flags, mode=0o777):
+            fd = os.open(path, flags, mode)
+            if str(path) == str(manifest_path):
+                Ops.manifest_fds.add(fd)
+            return fd
+
+        @staticmethod
+        def close(fd):
+            Ops.manifest_fds.discard(fd)
+            os.close(fd)
+
+        @staticmethod
+        def fsync(fd):
+            if not ("commit-sync" in off and fd in Ops.manifest_fds):
+                os.fsync(fd)
+
+        @staticmethod
+        def fsync_dir(path):
+            if "commit-sync" not in off:
+                FileOps.fsync_dir(path)
+
+        @staticmethod
+        def reserve(fd, size):
+            if "reserve" not in off:
+                FileOps.reserve(fd, size)
+
+    return Ops()
+
+
+def run_writer(args, root: Path, samples, states, threads: int, checksum: str, variant: str = "writer") -> dict:
     from speccompat.dataset.manifest import Manifest
     from speccompat.dataset.store import open_dataset
 
-    out = root / f"writer-{threads}-{checksum}"
+    out = root / f"writer-{threads}-{checksum}-{variant}"
     ds = open_dataset(out, samples, provenance(args))
     ds.manifest.header["checksum"] = checksum
-    w = ds.writer(threads=threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
+    w = ds.writer(threads=threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9),
+                  ops=variant_ops(variant, ds.manifest.path))
+    if variant in ("no-checksum", "bare"):
+        w.digest = lambda buf: "0"
     t0 = time.perf_counter()
     for k in range(0, len(samples), args.batch):
         w.submit([ds.job(s, list(h)) for s, h in zip(samples[k:k + args.batch], states[k:k + args.batch], strict=True)])
@@ -94,9 +169,10 @@ def run_writer(args, root: Path, samples, states, threads: int, checksum: str) -
     ds.lock.close()
     assert len(Manifest(out).load().entries) == len(samples)
     shutil.rmtree(out)
-    return {"threads": threads, "checksum": checksum, "s": round(s, 3), "gb_per_s": round(stats.bytes / s / 1e9, 3),
+    settled = settle()
+    return {"variant": variant, "threads": threads, "checksum": checksum, "s": round(s, 3), "gb_per_s": round(stats.bytes / s / 1e9, 3),
             "caller_wait_s": round(stats.waited_s, 3), "caller_submit_s": round(submitted, 3),
-            "bytes": stats.bytes}
+            "bytes": stats.bytes, "cleanup_sync_s": settled}
 
 
 def run_serial(args, root: Path, samples, states, torch) -> dict:
@@ -125,6 +201,7 @@ def run_serial(args, root: Path, samples, states, torch) -> dict:
         total += len(data)
     s = time.perf_counter() - t0
     shutil.rmtree(out)
+    settle()
     return {"s": round(s, 3), "gb_per_s": round(total / s / 1e9, 3), "bytes": total}
 
 
@@ -140,6 +217,10 @@ def main() -> None:
     ap.add_argument("--checksums", nargs="+", default=["xxh3_64", "crc32"],
                     help="'default': the data set's default here (xxh3_64 with xxhash installed, else crc32)")
     ap.add_argument("--parallel-probe", action="store_true", help="also measure the disk for the writer's pattern")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=["writer"],
+                    help="the writer as it is, or with one of its parts switched off (a measurement only)")
+    ap.add_argument("--rounds", type=int, default=1, help="run every variant this many times, each round "
+                    "beside its own parallel probe")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -157,12 +238,18 @@ def main() -> None:
         nbytes = sum(sum(x.numel() * 2 for x in h) for h in states)
         dd_s = dd(root / "dd.bin", nbytes)
         serial = run_serial(args, root, samples, states, torch)
-        writer = [run_writer(args, root, samples, states, t, c) for c in args.checksums for t in args.threads]
-        probe = None
-        if args.parallel_probe:
-            from throughput import disk_parallel_write_gbps  # benchmarks/throughput.py
+        from throughput import disk_parallel_write_gbps  # benchmarks/throughput.py
 
-            probe = disk_parallel_write_gbps(str(root), max(args.threads), nbytes // len(samples), nbytes)
+
+        writer, probes = [], []
+        for r in range(args.rounds):
+            runs = [{**run_writer(args, root, samples, states, t, c, v), "round": r}
+                    for v in args.variants for c in args.checksums for t in args.threads]
+            if args.parallel_probe:
+                probes.append(disk_parallel_write_gbps(str(root), max(args.threads), nbytes // len(samples), nbytes))
+                runs = [{**w, "of_parallel_probe": round(w["gb_per_s"] / probes[-1], 3)} for w in runs]
+            writer += runs
+        probe = round(sum(probes) / len(probes), 3) if probes else None
         dd_s2 = dd(root / "dd.bin", nbytes)  # again: the disk's speed may drift during the run
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -175,10 +262,9 @@ def main() -> None:
                   "dtype": "bfloat16", "batch": args.batch, "gb": round(nbytes / 1e9, 3)},
         "writer_sha256": hashlib.sha256(Path(writer_module.__file__).read_bytes()).hexdigest(),
         "dd_gb_per_s": round(dd_rate, 3),
-        **({"parallel_probe": {"gb_per_s": probe, "threads": max(args.threads)}} if probe else {}),
+        **({"parallel_probe": {"gb_per_s": probe, "threads": max(args.threads), "rounds": probes}} if probe else {}),
         "serial": {**serial, "of_dd": round(serial["gb_per_s"] / dd_rate, 2)},
-        "writer": [{**w, "of_dd": round(w["gb_per_s"] / dd_rate, 2),
-                    **({"of_parallel_probe": round(w["gb_per_s"] / probe, 3)} if probe else {})} for w in writer],
+        "writer": [{**w, "of_dd": round(w["gb_per_s"] / dd_rate, 2)} for w in writer],
     }
     write(doc, args.out)
 
