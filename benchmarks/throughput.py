@@ -223,9 +223,10 @@ def clean_up(extract) -> float:
 
 
 def settle() -> float:
-    """``sync()``, timed: the work that deleting a data set leaves to the file system (on a disk
-    mounted with ``discard``, as the H200 host's root is, every freed block is discarded at the
-    next journal commit) is done here, outside any clock, instead of inside the next measurement."""
+    """``sync()``, timed: whatever deleting a data set leaves to the file system is done here,
+    outside any clock, rather than inside the next measurement (a disk mounted with ``discard``,
+    as the H200 host's root is, discards freed blocks at its next journal commit). On the H200
+    host it took 1-3 ms after each deleted data set (benchmarks/NOTES.md)."""
     t0 = time.perf_counter()
     os.sync()
     return round(time.perf_counter() - t0, 3)

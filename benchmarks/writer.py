@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write  # noqa: E402
-from throughput import settle  # noqa: E402  (sync() after each deletion, outside the clocks)
+from throughput import disk_parallel_write_gbps, settle  # noqa: E402  (benchmarks/throughput.py)
 
 
 def dd(path: Path, nbytes: int, block: int = 8 << 20) -> float:
@@ -101,7 +101,9 @@ def _sync_file_range():
 
 
 def variant_ops(variant: str, manifest_path: Path):
-    """The writer's file operations for ``variant`` (see the module's docstring)."""
+    """The writer's file operations for ``variant`` (see the module's docstring). Every variant, the
+    writer as it is included, goes through this one subclass, so that they differ only in what they
+    switch off or add."""
     from speccompat.dataset.fsutil import FileOps
 
     off = {"no-reserve": {"reserve"}, "no-commit-sync": {"commit-sync"},
@@ -170,7 +172,8 @@ def run_writer(args, root: Path, samples, states, threads: int, checksum: str, v
     assert len(Manifest(out).load().entries) == len(samples)
     shutil.rmtree(out)
     settled = settle()
-    return {"variant": variant, "threads": threads, "checksum": checksum, "s": round(s, 3), "gb_per_s": round(stats.bytes / s / 1e9, 3),
+    return {"variant": variant, "threads": threads, "checksum": checksum, "s": round(s, 3),
+            "gb_per_s": round(stats.bytes / s / 1e9, 3),
             "caller_wait_s": round(stats.waited_s, 3), "caller_submit_s": round(submitted, 3),
             "bytes": stats.bytes, "cleanup_sync_s": settled}
 
@@ -238,9 +241,6 @@ def main() -> None:
         nbytes = sum(sum(x.numel() * 2 for x in h) for h in states)
         dd_s = dd(root / "dd.bin", nbytes)
         serial = run_serial(args, root, samples, states, torch)
-        from throughput import disk_parallel_write_gbps  # benchmarks/throughput.py
-
-
         writer, probes = [], []
         for r in range(args.rounds):
             runs = [{**run_writer(args, root, samples, states, t, c, v), "round": r}
