@@ -324,6 +324,7 @@ def driver_extractor(args: argparse.Namespace):
             call = getattr(gen, "_speccompat_stats", None) or {}
             each.append((call.get("loop_s"), call.get("staging_made")))
         t2 = time.perf_counter()
+        backlog = writer.in_flight  # bytes handed to the writer and not yet written, at the last step
         stats = writer.close()
         t3 = time.perf_counter()
         # phases of this call: opening the data set, the engine calls (the writer busy behind them),
@@ -334,6 +335,7 @@ def driver_extractor(args: argparse.Namespace):
                          # and the most bytes it held at once (the backlog behind the disk)
                          "writer_write_s": round(stats.write_s, 3), "writer_commit_s": round(stats.commit_s, 3),
                          "writer_peak_in_flight_gb": round(stats.peak_in_flight / 1e9, 3),
+                         "writer_backlog_at_last_step_gb": round(backlog / 1e9, 3),
                          "input_write_s": round(input_write_s, 4),  # before the clock (prepare)
                          "setup_s": round(t1 - t0, 4), "engine_calls_s": round(t2 - t1, 4),
                          "tail_s": round(t3 - t2, 4), "loop_s_each": [e[0] for e in each],
