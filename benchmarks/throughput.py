@@ -203,7 +203,7 @@ def run_mode(args: argparse.Namespace) -> dict:
                         "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                         "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
                         **({"driver_batch": extract.batch} if args.mode.startswith("driver") else {}),
-                        **({"cleanup_sync_s": settle_s} if settle_s else {}),
+                        **({"cleanup_sync_s": settle_s} if settle_s is not None else {}),
                         **({"wall": [round(wall0, 3), round(wall0 + seconds, 3)]} if dp else {}),
                         **({"last_call": extract.stats} if getattr(extract, "stats", None) else {}),
                         **({"calls": extract.calls} if extract.calls else {})})
@@ -211,15 +211,15 @@ def run_mode(args: argparse.Namespace) -> dict:
             "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
 
 
-def clean_up(extract) -> float:
+def clean_up(extract) -> float | None:
     """Run what a mode left to undo after its timed part (the driver's data sets), then let the
-    file systems finish it (:func:`settle`); returns the seconds settling took (0.0 if nothing
+    file systems finish it (:func:`settle`); returns the seconds settling took (None if nothing
     was undone)."""
     undone = False
     while getattr(extract, "cleanup", None):
         extract.cleanup.pop()()
         undone = True
-    return settle() if undone else 0.0
+    return settle() if undone else None
 
 
 def settle() -> float:
