@@ -17,6 +17,12 @@ warm-up pass of each workload, --warm-up, excluded):
              as its last step ran
   generator-views-sync  the same with one engine step in flight (SPECCOMPAT_IN_FLIGHT=1): each
              step's output is collected before the next is scheduled (the loop before 2026-12-01)
+  generator-views-async  an experiment, not a way to run speccompat: generator-views with the
+             workers' asynchronous scheduling on (the scheduler config speculators builds is given
+             async_scheduling=True after speccompat's adapter turned it off), so that a worker
+             prepares the next step while the device still runs one, as plain prefill's does. The
+             capture's own checks (positions and token ids of every step) still run; nothing else
+             says the states are right
   plain      vLLM's own prefill: LLM.generate(max_tokens=1), prefix caching off - the physical
              limit for this job (one prefill pass; no hidden states leave the engine)
   plain-sync the same with async scheduling off (the generator's workers run that way too; its
@@ -128,6 +134,9 @@ def run_mode(args: argparse.Namespace) -> dict:
         speccompat.apply()
         from speculators.data_generation import VllmHiddenStatesGenerator
 
+        if args.mode == "generator-views-async":
+            force_async_scheduling()
+
         gen = VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
                                         gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
 
@@ -209,6 +218,23 @@ def run_mode(args: argparse.Namespace) -> dict:
                         **({"calls": extract.calls} if extract.calls else {})})
     return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results,
             "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
+
+
+def force_async_scheduling() -> None:
+    """generator-views-async: the scheduler config speculators' generator builds (through
+    speccompat's adapter, which sets ``async_scheduling=False``) gets ``async_scheduling=True``
+    before the engine's config is assembled from it; the workers then run vLLM's asynchronous
+    output path. Only this benchmark process's module attribute is replaced."""
+    import speculators.data_generation.vllm_hidden_states_generator as gen_module
+
+    build = gen_module.SchedulerConfig  # speccompat's shim around vLLM's SchedulerConfig
+
+    def scheduler_config(**kw):
+        config = build(**kw)
+        config.async_scheduling = True
+        return config
+
+    gen_module.SchedulerConfig = scheduler_config
 
 
 def clean_up(extract) -> float | None:
@@ -545,8 +571,8 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["generator", "plain"],
                     choices=["generator", "generator-on-stream", "generator-on-call", "generator-stream", "generator-views",
-                             "generator-views-sync", "plain", "plain-sync", "original", "native",
-                             "driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-dp"])
+                             "generator-views-sync", "generator-views-async", "plain", "plain-sync", "original",
+                             "native", "driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-dp"])
     ap.add_argument("--driver-dir", default="/dev/shm/speccompat-bench" if os.path.isdir("/dev/shm") else
                     os.path.join(tempfile.gettempdir(), "speccompat-bench"), help="driver mode: output root")
     ap.add_argument("--disk-dir", default=os.path.join(tempfile.gettempdir(), "speccompat-bench-disk"),
@@ -658,11 +684,10 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     for w in workloads:
         ratios[w["name"]] = {f"{mine}/{other}": round(g / t, 3) if g and t else None
                              for mine in ("generator", "generator-on-stream", "generator-on-call", "generator-stream",
-                                          "generator-views",
-                                          "generator-views-sync", "driver", "driver-disk", "driver-stream",
+                                          "generator-views", "generator-views-sync", "generator-views-async", "driver", "driver-disk", "driver-stream",
                                           "driver-stream-disk", "driver-dp")
                              for g in [tps(mine, w["name"])]
-                             for other in ("plain", "plain-sync", "generator", "generator-views-sync",
+                             for other in ("plain", "plain-sync", "generator", "generator-views", "generator-views-sync",
                                            "original", "native", "driver")
                              for t in [tps(other, w["name"])] if mine != other}
         ratios[w["name"]] = {k: v for k, v in ratios[w["name"]].items() if v is not None}
