@@ -1,10 +1,12 @@
-"""vLLM 0.33.0: KV-cache planning moves to its own module; set_kv_cache_layout takes a CP size."""
+"""vLLM 0.33.0: KV-cache planning moves to its own module; set_kv_cache_layout takes a CP size;
+the workers run vLLM's asynchronous scheduling on CUDA."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from speccompat.adapter import UPSTREAM_REPLACED, Change
+from speccompat.platform import device_kind
 from speccompat.probe import Symbol, fingerprint
 
 from . import vllm_0_29_0 as prev
@@ -50,6 +52,21 @@ class Adapter(prev.Adapter):
             "when the generator starts, naming KimiDecoderLayer and what it returns",
             remove_when="when its stream is measured against a reference and its convention declared",
         ),
+        Change(
+            vllm="0.33.0",
+            upstream="none: a setting vLLM offers (SchedulerConfig.async_scheduling), not a defect",
+            what="with SchedulerConfig.async_scheduling on, each multiprocess worker hands a step's output "
+            "to an output thread and takes the next step at once (MultiprocExecutor worker: "
+            "vllm/v1/executor/multiproc_executor.py:791-799, handle_output :1127-1135); off, it waits "
+            "for that output's device-to-host copy before the next step",
+            breaks="nothing breaks: with the synchronous workers the capture reached 0.959 of plain "
+            "prefill (views, H200, 8B shape), 0.995 with them asynchronous (benchmarks/NOTES.md, "
+            "'The workers' asynchronous scheduling')",
+            how="scheduler_config() passes async_scheduling=True where vLLM runs on CUDA, False elsewhere "
+            "(on a CPU vLLM turns it off itself); the driver's loop, the scheduler and the capture's "
+            "per-step checks are unchanged; tests/engine/test_async_workers.py compares the two ways' states",
+            remove_when="not a workaround: stays while the workers take it",
+        ),
     )
     requires = fingerprint(
         prev.Adapter.requires,
@@ -64,6 +81,11 @@ class Adapter(prev.Adapter):
                    why="publish_layout"),
         ],
     )
+
+    def scheduler_config(self, cls: Any, **kw: Any) -> Any:
+        kw.setdefault("is_encoder_decoder", False)
+        kw["async_scheduling"] = device_kind() == "cuda"
+        return cls(**kw)
 
     def moved_names(self) -> dict[tuple[str, str], str]:
         return {**super().moved_names(), **{(KV, name): PLANNING for name in MOVED}}

@@ -77,9 +77,19 @@ def test_cache_config_lets_the_platform_choose_the_block_size_and_turns_prefix_c
 def test_scheduler_config_is_encoder_decoder_and_async_scheduling():
     assert A("0.11.0").scheduler_config(fn, max_num_seqs=32, is_encoder_decoder=False) == {
         "max_num_seqs": 32, "async_scheduling": False}
-    for v in ("0.11.1", "0.12.0", "0.33.0"):
+    for v in ("0.11.1", "0.12.0", "0.32.0"):
         assert A(v).scheduler_config(fn, max_num_seqs=32) == {
             "max_num_seqs": 32, "is_encoder_decoder": False, "async_scheduling": False}
+
+
+@pytest.mark.parametrize(("device", "asynchronous"), [("cuda", True), ("cpu", False)])
+def test_scheduler_config_turns_the_workers_asynchronous_on_cuda_from_0_33(monkeypatch, device, asynchronous):
+    module = sys.modules[type(A("0.33.0")).__module__]
+    monkeypatch.setattr(module, "device_kind", lambda: device)
+    assert A("0.33.0").scheduler_config(fn, max_num_seqs=32) == {
+        "max_num_seqs": 32, "is_encoder_decoder": False, "async_scheduling": asynchronous}
+    # The caller's own choice does not survive: the adapter decides what the workers run.
+    assert A("0.33.0").scheduler_config(fn, max_num_seqs=32, async_scheduling=not asynchronous)["async_scheduling"] is asynchronous
 
 
 class Group:
