@@ -1,14 +1,13 @@
-"""The capture with vLLM's asynchronous scheduling on in the workers gives the states of the
-synchronous workers speccompat runs (GPU only: vLLM turns asynchronous scheduling off on a CPU).
+"""The capture with vLLM's asynchronous scheduling on in the workers (the capture path on CUDA from
+vLLM 0.33.0, adapter ``vllm_0_33_0``) gives the states of the synchronous workers (GPU only: vLLM
+turns asynchronous scheduling off on a CPU, and speccompat keeps it off there).
 
-speccompat's adapters build the scheduler config with ``async_scheduling=False``; with it on, each
-worker hands a step's output copy to vLLM's output thread and takes the next step at once
-(``benchmarks/NOTES.md``, "The workers' asynchronous scheduling"). This test turns it on the way
-``benchmarks/throughput.py --modes generator-views-async`` does (the scheduler config speculators'
-generator builds is given ``async_scheduling=True``; nothing in vLLM or speccompat is changed), so
-that the capture's results under it are on record before it becomes the capture path: the
-same states as the synchronous workers (which the parity suite compares with transformers), every
-step verified by the capture's own checks, the workers' config saying asynchronous.
+With it on, each worker hands a step's output copy to vLLM's output thread and takes the next step
+at once (``benchmarks/NOTES.md``, "The workers' asynchronous scheduling"). The synchronous run gives
+the scheduler config speculators' generator builds ``async_scheduling=False`` after the adapter
+built it (nothing in vLLM or speccompat is changed), so one test shows, on the same checkpoint and
+inputs: the same states both ways (the parity suite compares the capture path with transformers),
+every step verified by the capture's own checks, the workers' config saying which way they ran.
 """
 
 from __future__ import annotations
@@ -34,12 +33,12 @@ SCRIPT = textwrap.dedent('''
     import speculators.data_generation.vllm_hidden_states_generator as gen_module
 
     ckpt, layer_ids, seqs, mode, out_path = json.loads(sys.argv[1])
-    if mode == "async":
+    if mode == "sync":
         build = gen_module.SchedulerConfig  # speccompat's shim around vLLM's SchedulerConfig
 
         def scheduler_config(**kw):
             config = build(**kw)
-            config.async_scheduling = True
+            config.async_scheduling = False
             return config
 
         gen_module.SchedulerConfig = scheduler_config
@@ -72,11 +71,15 @@ def test_asynchronous_workers_give_the_synchronous_workers_states(engines, tmp_p
 
     if not torch.cuda.is_available():
         pytest.skip("vLLM turns asynchronous scheduling off on a CPU (vllm/platforms/cpu.py): GPU only")
+    from packaging.version import Version
+
+    if Version(ENGINE_ENV["vllm"]).release < (0, 33):
+        pytest.skip(f"vLLM {ENGINE_ENV['vllm']}: its adapter keeps the workers synchronous (asynchronous from 0.33.0)")
     skip_unless_model_runs(kind)
     ckpt = engines.checkpoint(kind)
     seqs = mixed_sequences(40, seed=31, lo=200, hi=600)  # several steps, some sequences in chunks
     sync, sync_states = run(kind, ckpt, seqs, "sync", tmp_path)
-    asyn, async_states = run(kind, ckpt, seqs, "async", tmp_path)
+    asyn, async_states = run(kind, ckpt, seqs, "default", tmp_path)  # the capture path: asynchronous
     assert sync["async_scheduling"] is False and asyn["async_scheduling"] is True, (sync, asyn)
     assert asyn["ids"] == sync["ids"] == seqs
     for out in (sync, asyn):
@@ -90,7 +93,7 @@ def test_asynchronous_workers_give_the_synchronous_workers_states(engines, tmp_p
             assert torch.isfinite(x.float()).all()
             differing += not torch.equal(x, y)
             worst = max(worst, float((x.float() - y.float()).norm() / y.float().norm()))
-    # Not a cell of the matrix (this is not the capture path yet): the figures go to the test's output.
+    # Not a cell of the matrix (the parity suite's are): the figures go to the test's output.
     print("async workers: " + json.dumps({
         "model": kind, "sequences": len(seqs), "tokens": sum(map(len, seqs)), "worst_rel": worst,
         "tensors": len(seqs) * len(LAYER_IDS), "tensors_differing": differing,
