@@ -234,8 +234,9 @@ def pytest_terminal_summary(terminalreporter):
 
 
 EVIDENCE: list[dict] = []
-#: The code the engines run (read at the start: what this session's engines loaded).
-CODE = code_record(Path(__file__).resolve().parents[2])
+#: The code the engines run (read at the start: what this session's engines loaded), with the
+#: capture path of the engine env's vLLM release (speccompat.matrix.release_capture_path).
+CODE = code_record(Path(__file__).resolve().parents[2], ENGINE_ENV["vllm"] if ENGINE_ENV is not None else None)
 
 
 @pytest.fixture
