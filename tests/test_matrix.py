@@ -227,3 +227,124 @@ def test_architectures_table_follows_the_architecture_evidence(tmp_path):
             "| - |") in table
     # the file round-trips through the parser
     assert matrix.parse(matrix.read(m.to_yaml())).architectures == m.architectures
+
+
+# ----------------------------------------------------------------- the capture path of a release
+
+
+def _git(root: Path, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args], cwd=root,
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _releases_by_adapter() -> tuple[str, str, str]:
+    """The newest release served by each of the last three adapters: (newest, the one before, older)."""
+    from speccompat.registry import adapter_modules
+
+    releases = json.loads((REPO / "evidence" / "static" / "releases.json").read_text())["releases"]
+    names = [m for _, m in adapter_modules()]
+    served = {by_version(Version(r)).name(): r for r in releases}  # the newest release of each
+    return served[names[-1]], served[names[-2]], served[names[-3]]
+
+
+def _git_world(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A committed repository copy with one passing run per release of :func:`_releases_by_adapter`,
+    each recorded at that commit (unmodified), as conftest's ``code_record`` writes it."""
+    root = _world(tmp_path / "repo", {})
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "tree")
+    code = {"commit": _git(root, "rev-parse", "HEAD"), "hot_path_modified": False,
+            "hot_path_sha256": matrix.hot_path_sha256(root)}
+    rels = dict(zip(("newest", "before", "older"), _releases_by_adapter(), strict=True))
+    for rel in rels.values():
+        (root / "evidence" / "cpu" / f"vllm-{rel}.json").write_text(json.dumps(_run([_cell()], vllm=rel, code=code)))
+    return root, rels
+
+
+def _statuses(root: Path, rels: dict[str, str]) -> dict[str, str]:
+    rows = {(r.speculators, r.vllm): r for r in matrix.generate(root / "evidence").rows}
+    out = {name: rows[("0.4.0.1", rel)].status for name, rel in rels.items()}
+    for name, rel in rels.items():  # the stale flag is on the run's evidence item
+        assert [e.get("stale") == "true" for e in rows[("0.4.0.1", rel)].evidence if e["kind"] == "cpu-e2e"] == \
+               [out[name] == "stale"]
+    return out
+
+
+def _newest_adapter(root: Path) -> Path:
+    from speccompat.registry import adapter_modules
+
+    return root / "adapters" / f"{adapter_modules()[-1][1]}.py"
+
+
+def test_a_release_capture_path_holds_the_core_its_adapters_and_its_fingerprint():
+    from speccompat.registry import adapter_modules
+
+    newest, before, _ = _releases_by_adapter()
+    mine = matrix.release_capture_path(REPO, before) if matrix._imported_tree(REPO) else None
+    got = matrix.release_capture_paths(REPO, [newest, before])
+    assert mine is None or mine == got[before]
+    core = [f for f in matrix.hot_path_files(REPO) if not f.startswith("adapters/")]
+    for rel in (newest, before):
+        adapters = {f"adapters/{c.__module__.rsplit('.', 1)[1]}.py" for c in by_version(Version(rel)).__mro__
+                    if c.__module__.startswith("speccompat.adapters.")}
+        assert got[rel]["files"] == sorted(core + ["adapters/__init__.py", *adapters])
+        assert got[rel]["adapter"] == by_version(Version(rel)).name()
+    assert f"adapters/{adapter_modules()[-1][1]}.py" not in got[before]["files"]  # the successor: fingerprint only
+    assert got[newest]["sha256"] != got[before]["sha256"]
+
+
+def test_editing_the_newest_adapter_leaves_the_older_releases_current(tmp_path, monkeypatch):
+    root, rels = _git_world(tmp_path)
+    assert _statuses(root, rels) == {"newest": "supported", "before": "supported", "older": "supported"}
+    path = _newest_adapter(root)
+    lines = path.read_text().splitlines(keepends=True)
+    i = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("def ") and ln.rstrip().endswith(":"))
+    indent = len(lines[i]) - len(lines[i].lstrip()) + 4
+    path.write_text("".join(lines[: i + 1] + [" " * indent + "_edited = True\n"] + lines[i + 1:]))  # a method body
+    assert _statuses(root, rels) == {"newest": "stale", "before": "supported", "older": "supported"}
+    # without git, the identities derived at the commit come from evidence/hot_path.json
+    state = matrix.hot_path_state(root)
+    assert set(state["runs"]) == {_git(root, "rev-parse", "HEAD")} and set(state["releases"]) == set(rels.values())
+    (root / matrix.HOT_PATH_FILE).write_text(json.dumps(state))
+    import shutil
+
+    shutil.rmtree(root / ".git")
+    monkeypatch.setattr(matrix, "_AT_COMMIT", {})  # nothing derived in this process: the file alone
+    assert matrix.hot_path_state(root) == state
+    assert _statuses(root, rels) == {"newest": "stale", "before": "supported", "older": "supported"}
+
+
+def test_a_new_symbol_of_the_newest_adapter_makes_the_release_before_it_stale(tmp_path):
+    root, rels = _git_world(tmp_path)
+    path = _newest_adapter(root)
+    path.write_text(path.read_text() + "\n\nfrom speccompat.probe import Symbol as _Symbol\n\n"
+                    'Adapter.requires = {**Adapter.requires, "vllm.planted:Planted": _Symbol("vllm.planted:Planted", '
+                    "new=True)}\n")
+    assert _statuses(root, rels) == {"newest": "stale", "before": "stale", "older": "supported"}
+
+
+def test_editing_a_core_file_makes_every_release_stale(tmp_path):
+    root, rels = _git_world(tmp_path)
+    capture = root / "speccompat" / "capture.py"
+    capture.write_text(capture.read_text() + "\n# edited\n")
+    assert _statuses(root, rels) == {"newest": "stale", "before": "stale", "older": "stale"}
+
+
+def test_a_recorded_release_capture_path_decides(tmp_path):
+    root = _world(tmp_path / "repo", {})  # no git
+    newest, before, _ = _releases_by_adapter()
+    now = matrix.release_capture_paths(root, [newest])[newest]["sha256"]
+    rec = matrix.code_record(root, newest)
+    assert rec["release_sha256"] == now and rec["hot_path_sha256"] == matrix.hot_path_sha256(root)
+    runs = {"current.json": _run([_cell()], vllm=newest, code={"release_sha256": now, "hot_path_sha256": "0" * 64}),
+            "other.json": _run([_cell()], vllm=before,
+                               code={"release_sha256": now, "hot_path_sha256": matrix.hot_path_sha256(root)})}
+    root = _world(tmp_path / "repo2", runs)
+    code = matrix.hot_path_state(root)
+    assert not matrix.is_stale(runs["current.json"], code)  # its release's path is today's, whatever the global hash
+    assert matrix.is_stale(runs["other.json"], code)  # the global hash is today's, its release's path is not
+    rows = {(r.speculators, r.vllm): r.status for r in matrix.generate(root / "evidence").rows}
+    assert rows[("0.4.0.1", newest)] == "supported" and rows[("0.4.0.1", before)] == "stale"
