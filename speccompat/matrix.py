@@ -307,6 +307,7 @@ def release_capture_path(root: Any, version: str, hot_path: tuple[str, ...] = HO
     """
     import hashlib
     import json
+    import os
     import sys
     from pathlib import Path
 
@@ -314,11 +315,11 @@ def release_capture_path(root: Any, version: str, hot_path: tuple[str, ...] = HO
 
     from speccompat import registry
 
-    root = Path(root).resolve()
+    root = Path(os.path.abspath(root))  # absolute, symlinks kept: a tree may link its files elsewhere
     cls = registry.by_version(Version(str(version)))  # imports the adapters package (and the chosen module)
     package = "speccompat.adapters"
-    here = Path(registry.__file__).resolve().parent
-    adapters = [Path(p).resolve() for p in getattr(sys.modules.get(package), "__path__", ())]
+    here = Path(os.path.abspath(registry.__file__)).parent
+    adapters = [Path(os.path.abspath(p)) for p in getattr(sys.modules.get(package), "__path__", ())]
     if here != root / "speccompat" or adapters != [root / "adapters"]:
         raise RuntimeError(f"speccompat.registry of {here.parent} (adapters {adapters}) is not the tree {root}")
     files = [f"speccompat/{name}" for name in hot_path if name.endswith(".py")]
