@@ -17,16 +17,15 @@ warm-up pass of each workload, --warm-up, excluded):
              as its last step ran
   generator-views-sync  the same with one engine step in flight (SPECCOMPAT_IN_FLIGHT=1): each
              step's output is collected before the next is scheduled (the loop before 2026-12-01)
-  generator-views-async  an experiment, not a way to run speccompat: generator-views with the
-             workers' asynchronous scheduling on (the scheduler config speculators builds is given
-             async_scheduling=True after speccompat's adapter turned it off), so that a worker
-             prepares the next step while the device still runs one, as plain prefill's does. The
-             capture's own checks (positions and token ids of every step) still run; nothing else
-             says the states are right
+  generator-views-async  generator-views with the workers' asynchronous scheduling forced on
+             (the scheduler config speculators builds is given async_scheduling=True after
+             speccompat's adapter built it): the experiment that preceded the change; from vLLM
+             0.33.0 on CUDA the adapter turns it on itself, so there it equals generator-views
   plain      vLLM's own prefill: LLM.generate(max_tokens=1), prefix caching off - the physical
              limit for this job (one prefill pass; no hidden states leave the engine)
-  plain-sync the same with async scheduling off (the generator's workers run that way too; its
-             driver loop keeps a second step in flight on GPUs, see generator-views-sync)
+  plain-sync the same with async scheduling off (the generator's workers run that way before
+             vLLM 0.33.0 and on CPUs; its driver loop keeps a second step in flight on GPUs, see
+             generator-views-sync)
   original   speculators' own generate()/capture with only speccompat's name adapters (what the
              unpatched code would do if it ran; --sequences-per-call must stay <= 32 for it)
   native     vLLM's own `extract_hidden_states` speculative method + ExampleHiddenStatesConnector
@@ -222,7 +221,8 @@ def run_mode(args: argparse.Namespace) -> dict:
 
 def force_async_scheduling() -> None:
     """generator-views-async: the scheduler config speculators' generator builds (through
-    speccompat's adapter, which sets ``async_scheduling=False``) gets ``async_scheduling=True``
+    speccompat's adapter, which sets ``async_scheduling=False`` before vLLM 0.33.0 and on CPUs) gets
+    ``async_scheduling=True``
     before the engine's config is assembled from it; the workers then run vLLM's asynchronous
     output path. Only this benchmark process's module attribute is replaced."""
     import speculators.data_generation.vllm_hidden_states_generator as gen_module
