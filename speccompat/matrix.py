@@ -367,9 +367,9 @@ def _imported_tree(root: Any) -> bool:
 
     from .registry import _adapters_spec
 
-    root = Path(root).resolve()
-    adapters = [Path(p).resolve() for p in _adapters_spec().submodule_search_locations or ()]
-    return Path(__file__).resolve().parent == root / "speccompat" and adapters == [root / "adapters"]
+    root = Path(os.path.abspath(root))  # as release_capture_path compares them: symlinks kept
+    adapters = [Path(os.path.abspath(p)) for p in _adapters_spec().submodule_search_locations or ()]
+    return Path(os.path.abspath(__file__)).parent == root / "speccompat" and adapters == [root / "adapters"]
 
 
 def release_capture_paths(root: Any, versions: Any) -> dict[str, dict[str, Any]]:
