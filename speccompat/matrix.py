@@ -544,8 +544,9 @@ def is_stale(run: dict[str, Any], code: dict[str, Any]) -> bool:
 # --------------------------------------------------------------------------- generation from evidence
 
 
-def generate(evidence_dir: Any) -> Matrix:
-    """Build the matrix from evidence files (see ``evidence/README.md`` for their format)."""
+def generate(evidence_dir: Any, code: dict[str, Any] | None = None) -> Matrix:
+    """Build the matrix from evidence files (see ``evidence/README.md`` for their format); ``code``:
+    :func:`hot_path_state` of the tree, computed when not given."""
     from pathlib import Path
 
     from .registry import by_version
@@ -565,7 +566,7 @@ def generate(evidence_dir: Any) -> Matrix:
                 )
             else:
                 notes[(spec, rel)] = "static probe failed: " + "; ".join(res["mismatches"])[:300]
-    code = hot_path_state(evidence_dir.parent)
+    code = code if code is not None else hot_path_state(evidence_dir.parent)
     for kind, sub in (("cpu-e2e", "cpu"), ("gpu-e2e", "gpu")):
         # Per (speculators, vLLM, model, runner, TP) the latest run counts (files in date, name order).
         latest: dict[tuple, tuple[str, dict[str, str]]] = {}
@@ -819,9 +820,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from pathlib import Path
 
-    m = generate(Path(args.evidence))
+    code = hot_path_state(Path(args.evidence).resolve().parent)  # once: the matrix and evidence/hot_path.json
+    m = generate(Path(args.evidence), code)
     out, readme = Path(args.out), Path(args.readme)
-    code = hot_path_state(Path(args.evidence).resolve().parent)
     want = {out: m.to_yaml(), readme: with_readme_table(readme.read_text(), m),
             Path(args.evidence) / Path(HOT_PATH_FILE).name: json.dumps(code, indent=1) + "\n"}
     if args.write:
