@@ -401,23 +401,29 @@ def barrier(where: Path, rank: int, size: int, timeout: float = 900.0) -> None:
         time.sleep(0.05)
 
 
-def disk_write_gbps(directory: str, total: int = 4 << 30, block: int = 16 << 20) -> float:
-    """The disk's own fsync'd sequential write bandwidth (as ``dd bs=16M conv=fsync``), GB/s."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, "speccompat-dd.bin")
-    buf = os.urandom(block)
+def disk_write_seconds(path: str | os.PathLike, nbytes: int, block: int = 16 << 20) -> float:
+    """Seconds to write ``nbytes`` to ``path`` in one stream of ``block``-sized writes and fsync it
+    (as ``dd bs=16M conv=fsync``); the file is removed and the file system settled after, untimed."""
+    buf = memoryview(os.urandom(block))
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        for _ in range(total // block):
-            os.write(fd, buf)
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, buf[: min(block, left)])
         os.fsync(fd)
         seconds = time.perf_counter() - t0
     finally:
         os.close(fd)
         os.unlink(path)
         settle()
-    return round(total / seconds / 1e9, 3)
+    return seconds
+
+
+def disk_write_gbps(directory: str, total: int = 4 << 30, block: int = 16 << 20) -> float:
+    """The disk's own fsync'd sequential write bandwidth (as ``dd bs=16M conv=fsync``), GB/s."""
+    os.makedirs(directory, exist_ok=True)
+    return round(total / disk_write_seconds(os.path.join(directory, "speccompat-dd.bin"), total, block) / 1e9, 3)
 
 
 def disk_parallel_write_gbps(directory: str, threads: int, file_bytes: int, total: int) -> float:

@@ -48,24 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write  # noqa: E402
-from throughput import disk_parallel_write_gbps, settle  # noqa: E402  (benchmarks/throughput.py)
-
-
-def dd(path: Path, nbytes: int, block: int = 8 << 20) -> float:
-    buf = memoryview(os.urandom(block))
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, buf[: min(block, left)])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    s = time.perf_counter() - t0
-    path.unlink()
-    settle()
-    return s
+from throughput import disk_parallel_write_gbps, disk_write_seconds, settle  # noqa: E402  (benchmarks/throughput.py)
 
 
 def fake(args, torch):
@@ -242,7 +225,7 @@ def main() -> None:
     try:
         samples, states = fake(args, torch)
         nbytes = sum(sum(x.numel() * 2 for x in h) for h in states)
-        dd_s = dd(root / "dd.bin", nbytes)
+        dd_s = disk_write_seconds(root / "dd.bin", nbytes, 8 << 20)
         serial = run_serial(args, root, samples, states, torch)
         writer, probes = [], []
         for r in range(args.rounds):
@@ -253,7 +236,7 @@ def main() -> None:
                 runs = [{**w, "of_parallel_probe": round(w["gb_per_s"] / probes[-1], 3)} for w in runs]
             writer += runs
         probe = round(sum(probes) / len(probes), 3) if probes else None
-        dd_s2 = dd(root / "dd.bin", nbytes)  # again: the disk's speed may drift during the run
+        dd_s2 = disk_write_seconds(root / "dd.bin", nbytes, 8 << 20)  # again: the disk's speed may drift during the run
     finally:
         shutil.rmtree(root, ignore_errors=True)
     dd_rate = nbytes / ((dd_s + dd_s2) / 2) / 1e9
