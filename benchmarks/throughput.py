@@ -207,13 +207,12 @@ def run_mode(args: argparse.Namespace) -> dict:
         seconds = time.perf_counter() - t0
         settle_s = clean_up(extract)
         tokens = sum(map(len, seqs))
-        probe = disk_probe_after(args, getattr(extract, "stats", None) or {})
         results.append({"workload": name, "seconds": round(seconds, 3), "sequences": len(seqs),
                         "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                         "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
                         **({"driver_batch": extract.batch} if args.mode.startswith("driver") else {}),
                         **({"cleanup_sync_s": settle_s} if settle_s is not None else {}),
-                        **({"disk_parallel_after_gbps": probe} if probe is not None else {}),
+                        **disk_probe_after(args, getattr(extract, "stats", None) or {}),
                         **({"wall": [round(wall0, 3), round(wall0 + seconds, 3)]} if dp else {}),
                         **({"last_call": extract.stats} if getattr(extract, "stats", None) else {}),
                         **({"calls": extract.calls} if extract.calls else {})})
@@ -221,20 +220,25 @@ def run_mode(args: argparse.Namespace) -> dict:
             "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
 
 
-def disk_probe_after(args: argparse.Namespace, stats: dict) -> float | None:
+def disk_probe_after(args: argparse.Namespace, stats: dict) -> dict:
     """The disk's rate for the driver's pattern right after a disk workload, untimed, while the engine
-    is idle: the anchor of the same minute. The probe before the modes is taken on a disk that has not
-    yet absorbed the run's writes (on the H200 host the writer's threads took up to 22% longer for the
-    same bytes in a second run whose probe before it had not changed); None for other modes."""
+    is idle: the anchor of the same minute, writing as much as the pass wrote (half the free space at
+    most), so that it is held to the same sustained volume. The probe before the modes is taken on a
+    disk that has not yet absorbed the run's writes, and writes 4 GiB: on the H200 host, in a third
+    run on one lease, the passes wrote 1.28-1.35 GB/s while 4 GiB probes after each of them gave
+    1.61-1.82 (benchmarks/NOTES.md). The fields for the pass's results (none for other modes)."""
     if not args.mode.endswith("-disk") or not stats.get("files"):
-        return None
+        return {}
     file_bytes = stats["bytes"] // stats["files"]
-    return disk_parallel_write_gbps(args.disk_dir, args.writer_threads, file_bytes, probe_bytes(stats["bytes"]))
+    total = max(256 << 20, min(stats["bytes"], shutil.disk_usage(args.disk_dir).free // 2))
+    return {"disk_parallel_after_gbps": disk_parallel_write_gbps(args.disk_dir, args.writer_threads, file_bytes, total),
+            "disk_parallel_after_gb": round(total / 1e9, 2)}
 
 
 def probe_bytes(written: int) -> int:
-    """What a parallel disk probe writes for a pass of ``written`` bytes: as much, 256 MiB to 4 GiB
-    (short beside the timed passes; the disk kept its rate from 4.3 to 17 GB, benchmarks/NOTES.md)."""
+    """What the parallel disk probe before the modes writes for passes of ``written`` bytes: as much,
+    256 MiB to 4 GiB (short beside the timed passes; on a fresh H200 host the disk kept its rate
+    from 4.3 to 17 GB, benchmarks/NOTES.md)."""
     return max(256 << 20, min(4 << 30, written))
 
 
