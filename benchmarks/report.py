@@ -62,8 +62,9 @@ def throughput_section(title: str, doc: dict) -> list[str]:
                    f"{res['startup_s']} | {fmt(res.get('peak_rss_mb'))} | {fmt(res.get('peak_pss_mb'))} |")
         last = w.get("last_call") or {}
         if "files" in last:
+            busy = f" (its thread on a CPU {last['loop_cpu_s']} s of them)" if "loop_cpu_s" in last else ""
             phases = (f" Phases of that pass: opening the data set {last['setup_s']} s, the engine calls "
-                      f"{last['engine_calls_s']} s, the last batch's files after the engine's last step "
+                      f"{last['engine_calls_s']} s{busy}, the last batch's files after the engine's last step "
                       f"{last['tail_s']} s." if "tail_s" in last else "")
             notes.append(f"{mode}: {last['files']} files, {last['bytes'] / 1e9:.2f} GB written per timed pass "
                          f"({last['bytes'] / w['seconds'] / 1e9:.2f} GB/s); "

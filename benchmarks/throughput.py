@@ -359,7 +359,7 @@ def driver_extractor(args: argparse.Namespace):
         ds = open_dataset(out, scan.samples, prov)
         writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
         size = getattr(extract, "batch", None) or args.driver_batch
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.thread_time()
         each = []  # per generate() call: engine loop seconds, staging files the workers had to make
         if streaming:  # the driver's own loop: one stream, a token budget in flight, each written when done
             for sample, states in stream_results(gen, ds.todo, budget):
@@ -372,7 +372,7 @@ def driver_extractor(args: argparse.Namespace):
             writer.submit([ds.job(s, r["hidden_states"]) for s, r in zip(part, res, strict=True)])
             call = getattr(gen, "_speccompat_stats", None) or {}
             each.append((call.get("loop_s"), call.get("staging_made")))
-        t2 = time.perf_counter()
+        t2, cpu2 = time.perf_counter(), time.thread_time()
         backlog = writer.in_flight  # bytes handed to the writer and not yet written, at the last step
         stats = writer.close()
         t3 = time.perf_counter()
@@ -387,7 +387,10 @@ def driver_extractor(args: argparse.Namespace):
                          "writer_backlog_at_last_step_gb": round(backlog / 1e9, 3),
                          "input_write_s": round(input_write_s, 4),  # before the clock (prepare)
                          "setup_s": round(t1 - t0, 4), "engine_calls_s": round(t2 - t1, 4),
-                         "tail_s": round(t3 - t2, 4), "loop_s_each": [e[0] for e in each],
+                         "tail_s": round(t3 - t2, 4),
+                         # how busy the engine loop's thread was (on a CPU, in Python or in C), the
+                         # thread whose GIL the writer's threads take back after each system call
+                         "loop_cpu_s": round(cpu2 - cpu1, 3), "loop_s_each": [e[0] for e in each],
                          "staging_made_each": [e[1] for e in each]}
         assert stats.files == len(batch), (stats.files, len(batch))
         # Removing the data set is not part of the job: done after the timed part (run_mode calls it)
