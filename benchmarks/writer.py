@@ -28,6 +28,13 @@ it, one after the other on the same disk, can be told apart.
 ``caller_wait_s`` is how long ``submit`` blocked the caller (the engine loop) on the in-flight
 budget; the data are generated before the clock starts.
 
+``--busy-caller F`` runs, beside the writer in its process, a thread that spends the fraction ``F``
+of every 4 ms in Python and sleeps the rest, as the driver's engine loop shares the interpreter
+with the writer: each writer thread takes the GIL back after every system call, and a thread busy
+in Python hands it over only every ``sys.getswitchinterval()`` (5 ms). Each run then also says how
+much of its Python work the busy thread got done (``caller_work_per_s``, 4 ms slices: at most 250
+a second), and ``--switch-interval`` sets the interpreter's switch interval for the runs.
+
     python benchmarks/writer.py --dir /data/bench --samples 64 --tokens 2048 --hidden 7168 --layers 4 \
         --out benchmarks/results/writer-cpu.json
 """
@@ -137,7 +144,49 @@ def variant_ops(variant: str, manifest_path: Path):
     return Ops()
 
 
+class BusyCaller:
+    """A thread busy in Python for ``fraction`` of every 4 ms (see the module's docstring)."""
+
+    SLICE = 0.004
+
+    def __init__(self, fraction: float) -> None:
+        import threading
+
+        self.fraction, self.slices, self.stop = fraction, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="busy-caller", daemon=True)
+
+    def _run(self) -> None:
+        x = 0
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < self.SLICE * self.fraction:
+                for i in range(200):
+                    x += i * i
+            self.slices += 1
+            if self.fraction < 1:
+                time.sleep(self.SLICE * (1 - self.fraction))
+
+    def __enter__(self) -> BusyCaller:
+        self.t0 = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.per_s = round(self.slices / (time.perf_counter() - self.t0), 1)
+
+
 def run_writer(args, root: Path, samples, states, threads: int, checksum: str, variant: str = "writer") -> dict:
+    """One pass of the writer (beside a :class:`BusyCaller` with ``--busy-caller``)."""
+    if args.busy_caller:
+        with BusyCaller(args.busy_caller) as busy:
+            res = _run_writer(args, root, samples, states, threads, checksum, variant)
+        return {**res, "caller_work_per_s": busy.per_s}
+    return _run_writer(args, root, samples, states, threads, checksum, variant)
+
+
+def _run_writer(args, root: Path, samples, states, threads: int, checksum: str, variant: str) -> dict:
     from speccompat.dataset.manifest import Manifest
     from speccompat.dataset.store import open_dataset
 
@@ -211,8 +260,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run every variant this many times, each round "
                     "beside its own parallel probe")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0)
+    ap.add_argument("--busy-caller", type=float, default=0.0, metavar="F",
+                    help="a thread busy in Python for this fraction of the time beside the writer (0 to 1)")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="the interpreter's switch interval for the runs, seconds (sys.setswitchinterval)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not 0 <= args.busy_caller <= 1:
+        ap.error("--busy-caller is a fraction of the time, 0 to 1")
+    if args.switch_interval is not None:
+        if args.switch_interval <= 0:
+            ap.error("--switch-interval must be positive")
+        sys.setswitchinterval(args.switch_interval)
     import torch
 
     import speccompat.dataset.writer as writer_module
@@ -248,6 +307,7 @@ def main() -> None:
         "shape": {"samples": args.samples, "tokens": args.tokens, "hidden": args.hidden, "layers": args.layers,
                   "dtype": "bfloat16", "batch": args.batch, "gb": round(nbytes / 1e9, 3)},
         "writer_sha256": hashlib.sha256(Path(writer_module.__file__).read_bytes()).hexdigest(),
+        "busy_caller": args.busy_caller, "switch_interval_s": sys.getswitchinterval(),
         "dd_gb_per_s": round(dd_rate, 3),
         **({"parallel_probe": {"gb_per_s": probe, "threads": max(args.threads), "rounds": probes}} if probe else {}),
         "serial": {**serial, "of_dd": round(serial["gb_per_s"] / dd_rate, 2)},
