@@ -224,22 +224,22 @@ def disk_probe_after(args: argparse.Namespace, stats: dict) -> dict:
     """The disk's rate for the driver's pattern right after a disk workload, untimed, while the engine
     is idle: the anchor of the same minute, writing as much as the pass wrote (half the free space at
     most), so that it is held to the same sustained volume. The probe before the modes is taken on a
-    disk that has not yet absorbed the run's writes, and writes 4 GiB: on the H200 host, in a third
-    run on one lease, the passes wrote 1.28-1.35 GB/s while 4 GiB probes after each of them gave
-    1.61-1.82 (benchmarks/NOTES.md). The fields for the pass's results (none for other modes)."""
+    disk that has not yet absorbed the run's writes, and writes 4 GiB: on the H200 host, in run 4
+    of benchmarks/NOTES.md, the passes wrote 1.28-1.35 GB/s while 4 GiB probes after each of them
+    gave 1.61-1.82. The fields for the pass's results (none for other modes)."""
     if not args.mode.endswith("-disk") or not stats.get("files"):
         return {}
     file_bytes = stats["bytes"] // stats["files"]
-    total = max(256 << 20, min(stats["bytes"], shutil.disk_usage(args.disk_dir).free // 2))
+    total = probe_bytes(stats["bytes"], most=shutil.disk_usage(args.disk_dir).free // 2)
     return {"disk_parallel_after_gbps": disk_parallel_write_gbps(args.disk_dir, args.writer_threads, file_bytes, total),
             "disk_parallel_after_gb": round(total / 1e9, 2)}
 
 
-def probe_bytes(written: int) -> int:
-    """What the parallel disk probe before the modes writes for passes of ``written`` bytes: as much,
-    256 MiB to 4 GiB (short beside the timed passes; on a fresh H200 host the disk kept its rate
-    from 4.3 to 17 GB, benchmarks/NOTES.md)."""
-    return max(256 << 20, min(4 << 30, written))
+def probe_bytes(written: int, most: int = 4 << 30) -> int:
+    """What a parallel disk probe writes for passes of ``written`` bytes: as much, 256 MiB to
+    ``most``. The probe before the modes keeps to 4 GiB (short beside the timed passes; on a fresh
+    H200 host the disk kept its rate from 4.3 to 17 GB, benchmarks/NOTES.md)."""
+    return max(256 << 20, min(most, written))
 
 
 def force_async_scheduling() -> None:
