@@ -438,9 +438,15 @@ def disk_write_gbps(directory: str, total: int = 4 << 30, block: int = 16 << 20)
     return round(total / disk_write_seconds(os.path.join(directory, "speccompat-dd.bin"), total, block) / 1e9, 3)
 
 
-def disk_parallel_write_gbps(directory: str, threads: int, file_bytes: int, total: int) -> float:
+def disk_parallel_write_gbps(directory: str, threads: int, file_bytes: int, total: int, *, fresh: bool = False) -> float:
     """The disk's rate for the driver's pattern (as fio would measure it): ``threads`` threads, each
-    writing whole files of ``file_bytes`` and fsync'ing each, ``total`` bytes in all, GB/s."""
+    writing whole files of ``file_bytes`` and fsync'ing each, ``total`` bytes in all, GB/s.
+
+    Every file is the same random buffer, unless ``fresh``: then each thread stamps the file's
+    number into every 4 KiB block of its own copy before writing it, so that no two blocks written
+    are alike, as no two of the driver's are (a disk that deduplicates or compresses would write the
+    repeated buffer faster than the driver's data)."""
+    from array import array
     from concurrent.futures import ThreadPoolExecutor
 
     root = tempfile.mkdtemp(prefix="speccompat-fio-", dir=directory)
@@ -448,10 +454,15 @@ def disk_parallel_write_gbps(directory: str, threads: int, file_bytes: int, tota
     files = max(threads, total // max(1, file_bytes))
 
     def write(k: int) -> None:
+        data = bytearray(buf) if fresh else buf
+        words = memoryview(data)[: len(data) // 8 * 8].cast("Q")  # 512 words: one 4 KiB block
+        blocks = len(range(0, len(words), 512))
         for i in range(k, files, threads):
+            if fresh:
+                words[::512] = array("Q", [i + 1]) * blocks
             fd = os.open(os.path.join(root, f"{i}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.write(fd, buf)
+                os.write(fd, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)

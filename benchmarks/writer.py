@@ -33,7 +33,10 @@ of every 4 ms in Python and sleeps the rest, as the driver's engine loop shares 
 with the writer: each writer thread takes the GIL back after every system call, and a thread busy
 in Python hands it over only every ``sys.getswitchinterval()`` (5 ms). Each run then also says how
 much of its Python work the busy thread got done (``caller_work_per_s``, 4 ms slices: at most 250
-a second), and ``--switch-interval`` sets the interpreter's switch interval for the runs.
+a second), and ``--switch-interval`` sets the interpreter's switch interval for the runs. With
+``--busy-kind process`` the same loop runs in a process of its own: it takes a core as the thread
+does but never the writer's GIL, so the two kinds together tell the GIL's share of a loss from the
+core's.
 
     python benchmarks/writer.py --dir /data/bench --samples 64 --tokens 2048 --hidden 7168 --layers 4 \
         --out benchmarks/results/writer-cpu.json
@@ -144,43 +147,61 @@ def variant_ops(variant: str, manifest_path: Path):
     return Ops()
 
 
+def _busy_loop(fraction: float, slice_s: float, stop, slices) -> None:
+    """Spend ``fraction`` of every ``slice_s`` in Python until ``stop`` is set, counting slices."""
+    x = 0
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < slice_s * fraction:
+            for i in range(200):
+                x += i * i
+        slices.value += 1
+        if fraction < 1:
+            time.sleep(slice_s * (1 - fraction))
+
+
+class _Count:
+    value = 0
+
+
 class BusyCaller:
-    """A thread busy in Python for ``fraction`` of every 4 ms (see the module's docstring)."""
+    """A thread (or, ``kind="process"``, a spawned process) busy in Python for ``fraction`` of
+    every 4 ms (see the module's docstring)."""
 
     SLICE = 0.004
 
-    def __init__(self, fraction: float) -> None:
-        import threading
+    def __init__(self, fraction: float, kind: str = "thread") -> None:
+        if kind == "process":
+            import multiprocessing
 
-        self.fraction, self.slices, self.stop = fraction, 0, threading.Event()
-        self.thread = threading.Thread(target=self._run, name="busy-caller", daemon=True)
+            ctx = multiprocessing.get_context("spawn")
+            self.stop, self.slices = ctx.Event(), ctx.Value("q", 0, lock=False)
+            self.worker = ctx.Process(target=_busy_loop, args=(fraction, self.SLICE, self.stop, self.slices),
+                                      name="busy-caller", daemon=True)
+        else:
+            import threading
 
-    def _run(self) -> None:
-        x = 0
-        while not self.stop.is_set():
-            t0 = time.perf_counter()
-            while time.perf_counter() - t0 < self.SLICE * self.fraction:
-                for i in range(200):
-                    x += i * i
-            self.slices += 1
-            if self.fraction < 1:
-                time.sleep(self.SLICE * (1 - self.fraction))
+            self.stop, self.slices = threading.Event(), _Count()
+            self.worker = threading.Thread(target=_busy_loop, args=(fraction, self.SLICE, self.stop, self.slices),
+                                           name="busy-caller", daemon=True)
 
     def __enter__(self) -> BusyCaller:
-        self.t0 = time.perf_counter()
-        self.thread.start()
+        self.worker.start()
+        while not self.slices.value:  # a spawned process takes a while to start: count from its first slice
+            time.sleep(0.001)
+        self.t0, self.first = time.perf_counter(), self.slices.value
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop.set()
-        self.thread.join()
-        self.per_s = round(self.slices / (time.perf_counter() - self.t0), 1)
+        self.worker.join()
+        self.per_s = round((self.slices.value - self.first) / (time.perf_counter() - self.t0), 1)
 
 
 def run_writer(args, root: Path, samples, states, threads: int, checksum: str, variant: str = "writer") -> dict:
     """One pass of the writer (beside a :class:`BusyCaller` with ``--busy-caller``)."""
     if args.busy_caller:
-        with BusyCaller(args.busy_caller) as busy:
+        with BusyCaller(args.busy_caller, args.busy_kind) as busy:
             res = _run_writer(args, root, samples, states, threads, checksum, variant)
         return {**res, "caller_work_per_s": busy.per_s}
     return _run_writer(args, root, samples, states, threads, checksum, variant)
@@ -262,6 +283,8 @@ def main() -> None:
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0)
     ap.add_argument("--busy-caller", type=float, default=0.0, metavar="F",
                     help="a thread busy in Python for this fraction of the time beside the writer (0 to 1)")
+    ap.add_argument("--busy-kind", choices=["thread", "process"], default="thread",
+                    help="the busy caller as a thread of the writer's process (shares its GIL) or as a process")
     ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
                     help="the interpreter's switch interval for the runs, seconds (sys.setswitchinterval)")
     ap.add_argument("--out", default=None)
@@ -307,7 +330,7 @@ def main() -> None:
         "shape": {"samples": args.samples, "tokens": args.tokens, "hidden": args.hidden, "layers": args.layers,
                   "dtype": "bfloat16", "batch": args.batch, "gb": round(nbytes / 1e9, 3)},
         "writer_sha256": hashlib.sha256(Path(writer_module.__file__).read_bytes()).hexdigest(),
-        "busy_caller": args.busy_caller, "switch_interval_s": sys.getswitchinterval(),
+        "busy_caller": args.busy_caller, "busy_kind": args.busy_kind, "switch_interval_s": sys.getswitchinterval(),
         "dd_gb_per_s": round(dd_rate, 3),
         **({"parallel_probe": {"gb_per_s": probe, "threads": max(args.threads), "rounds": probes}} if probe else {}),
         "serial": {**serial, "of_dd": round(serial["gb_per_s"] / dd_rate, 2)},
