@@ -70,6 +70,12 @@ def throughput_section(title: str, doc: dict) -> list[str]:
                          f"({last['bytes'] / w['seconds'] / 1e9:.2f} GB/s); "
                          f"the engine waited {last['engine_waited_s']} s for the writer's in-flight budget."
                          + phases)
+        rates = [(x["workload"], *phase_rates(x["last_call"])) for x in res.get("workloads", [])
+                 if phase_rates(x.get("last_call") or {})]
+        if rates and mode.endswith("-disk"):
+            notes.append(f"{mode}: the writer's rate beside the engine (the bytes written by the last step over "
+                         "the engine calls' seconds) and alone after it (the backlog over the tail's seconds): "
+                         + "; ".join(f"{name}: {a:.2f} / {b:.2f}" for name, a, b in rates) + " GB/s.")
         after = [(x["workload"], x["disk_parallel_after_gbps"], x.get("disk_parallel_after_gb", 4.29))
                  for x in res.get("workloads", []) if x.get("disk_parallel_after_gbps")]
         if after:  # files without the probe's volume wrote 4 GiB
@@ -85,6 +91,18 @@ def throughput_section(title: str, doc: dict) -> list[str]:
     for note in notes:  # one paragraph each
         out += ["", note]
     return out + [""]
+
+
+def phase_rates(last: dict) -> tuple[float, float] | None:
+    """The writer's GB/s during a driver pass's engine calls and in its tail, from what the pass
+    recorded (the bytes, the backlog at the last step, the two phases' seconds); None without them."""
+    try:
+        backlog = last["writer_backlog_at_last_step_gb"] * 1e9
+        during = (last["bytes"] - backlog) / last["engine_calls_s"] / 1e9
+        alone = backlog / last["tail_s"] / 1e9
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+    return (during, alone) if backlog > 0 else None
 
 
 def other_workloads(doc: dict) -> list[str]:

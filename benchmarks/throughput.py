@@ -391,6 +391,7 @@ def driver_extractor(args: argparse.Namespace):
                          # how busy the engine loop's thread was (on a CPU, in Python or in C), the
                          # thread whose GIL the writer's threads take back after each system call
                          "loop_cpu_s": round(cpu2 - cpu1, 3), "loop_s_each": [e[0] for e in each],
+                         "switch_interval_s": sys.getswitchinterval(),
                          "staging_made_each": [e[1] for e in each]}
         assert stats.files == len(batch), (stats.files, len(batch))
         # Removing the data set is not part of the job: done after the timed part (run_mode calls it)
@@ -554,6 +555,7 @@ def child_command(mode: str, args: argparse.Namespace, inputs: Path, out: Path, 
             "--driver-dir", args.driver_dir, "--disk-dir", args.disk_dir, "--driver-batch", str(args.driver_batch),
             "--writer-threads", str(args.writer_threads), "--max-in-flight-gb", str(args.max_in_flight_gb),
             "--warm-up", args.warm_up,
+            *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else []),
             *(["--driver-batches", *map(str, args.driver_batches)] if args.driver_batches else []), *extra]
 
 
@@ -631,6 +633,9 @@ def main() -> int:
                     help="untimed pass before timing: of every workload and batch size (each), or of the "
                          "first workload only (first: results files written before this option)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                    help="driver modes: the interpreter's switch interval in their process, seconds "
+                    "(sys.setswitchinterval): how often a thread busy in Python hands the GIL to the writer's threads")
     ap.add_argument("--long", type=int, default=0, metavar="N",
                     help="also time a workload of N sequences of the same lengths (every mode)")
     ap.add_argument("--sweep", action="store_true", help="also measure scaling with batch size and length")
@@ -644,12 +649,16 @@ def main() -> int:
     if chosen.config:
         ap.set_defaults(**CONFIGS[chosen.config])
     args = ap.parse_args()
+    if args.switch_interval is not None and args.switch_interval <= 0:
+        ap.error("--switch-interval must be positive")
     if args.writer_threads is None:  # as the driver would run on this machine
         from speccompat.dataset.extract import default_writer_threads
 
         args.writer_threads = default_writer_threads()
     if args.child:
         args.mode = args.child
+        if args.switch_interval is not None and args.mode.startswith("driver"):
+            sys.setswitchinterval(args.switch_interval)
         Path(args.child_out).write_text(json.dumps(run_mode(args)))
         return 0
     work = Path(tempfile.mkdtemp(prefix="speccompat-bench-"))
