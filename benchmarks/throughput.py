@@ -313,6 +313,42 @@ def native_extractor(args: argparse.Namespace):
     return extract
 
 
+class WakeProbe:
+    """A thread that sleeps 1 ms at a time in the driver's process and records how late each wake-up
+    got the interpreter back: the wait a writer thread has after each system call. A thread busy in
+    Python (the engine loop, on some engines the model runner) hands the GIL over only every
+    ``sys.getswitchinterval()`` (5 ms), so waits near that say the GIL, waits near zero say it is
+    free. :meth:`phase` closes a phase (the engine calls, then the tail) and summarises it in ms.
+    It takes the GIL itself a thousand times a second, so it runs only with ``--wake-probe``."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.late: list[float] = []
+        self.start, self.stop = 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, name="wake-probe", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(0.001)
+            self.late.append(time.perf_counter() - t0 - 0.001)
+
+    def phase(self) -> dict:
+        mine, self.start = sorted(self.late[self.start:]), len(self.late)
+        if not mine:
+            return {}
+        def at(q: float) -> float:
+            return round(mine[min(len(mine) - 1, int(q * len(mine)))] * 1e3, 3)
+        return {"wakes": len(mine), "mean_ms": round(sum(mine) / len(mine) * 1e3, 3), "p50_ms": at(0.5),
+                "p90_ms": at(0.9), "p99_ms": at(0.99), "over_2ms": round(sum(x > 0.002 for x in mine) / len(mine), 3)}
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def driver_extractor(args: argparse.Namespace):
     """The generator feeding speccompat.dataset's writer: what examples/*/extract_hidden_states.py
     runs per batch. Each timed call writes a fresh data set (a new directory under the output
@@ -359,6 +395,7 @@ def driver_extractor(args: argparse.Namespace):
         ds = open_dataset(out, scan.samples, prov)
         writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
         size = getattr(extract, "batch", None) or args.driver_batch
+        probe = WakeProbe() if args.wake_probe else None
         t1, cpu1 = time.perf_counter(), time.thread_time()
         each = []  # per generate() call: engine loop seconds, staging files the workers had to make
         if streaming:  # the driver's own loop: one stream, a token budget in flight, each written when done
@@ -374,8 +411,12 @@ def driver_extractor(args: argparse.Namespace):
             each.append((call.get("loop_s"), call.get("staging_made")))
         t2, cpu2 = time.perf_counter(), time.thread_time()
         backlog = writer.in_flight  # bytes handed to the writer and not yet written, at the last step
+        woke = {"engine": probe.phase()} if probe else {}
         stats = writer.close()
         t3 = time.perf_counter()
+        if probe:
+            woke["tail"] = probe.phase()
+            probe.close()
         # phases of this call: opening the data set, the engine calls (the writer busy behind them),
         # and the tail: the last batch's files written after the engine's last step
         extract.stats = {**(getattr(gen, "_speccompat_stats", None) or {}), "files": stats.files,
@@ -392,6 +433,7 @@ def driver_extractor(args: argparse.Namespace):
                          # thread whose GIL the writer's threads take back after each system call
                          "loop_cpu_s": round(cpu2 - cpu1, 3), "loop_s_each": [e[0] for e in each],
                          "switch_interval_s": sys.getswitchinterval(),
+                         **({"wake_late": woke} if woke else {}),
                          "staging_made_each": [e[1] for e in each]}
         assert stats.files == len(batch), (stats.files, len(batch))
         # Removing the data set is not part of the job: done after the timed part (run_mode calls it)
@@ -556,6 +598,7 @@ def child_command(mode: str, args: argparse.Namespace, inputs: Path, out: Path, 
             "--writer-threads", str(args.writer_threads), "--max-in-flight-gb", str(args.max_in_flight_gb),
             "--warm-up", args.warm_up,
             *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else []),
+            *(["--wake-probe"] if args.wake_probe else []),
             *(["--driver-batches", *map(str, args.driver_batches)] if args.driver_batches else []), *extra]
 
 
@@ -633,6 +676,8 @@ def main() -> int:
                     help="untimed pass before timing: of every workload and batch size (each), or of the "
                          "first workload only (first: results files written before this option)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
+    ap.add_argument("--wake-probe", action="store_true", help="driver modes: a thread in the driver's process "
+                    "records how late it gets the GIL back after each 1 ms sleep, during the engine calls and the tail")
     ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
                     help="driver modes: the interpreter's switch interval in their process, seconds "
                     "(sys.setswitchinterval): how often a thread busy in Python hands the GIL to the writer's threads")

@@ -58,7 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write  # noqa: E402
-from throughput import disk_parallel_write_gbps, disk_write_seconds, settle  # noqa: E402  (benchmarks/throughput.py)
+from throughput import WakeProbe, disk_parallel_write_gbps, disk_write_seconds, settle  # noqa: E402  (benchmarks/throughput.py)
 
 
 def fake(args, torch):
@@ -199,12 +199,21 @@ class BusyCaller:
 
 
 def run_writer(args, root: Path, samples, states, threads: int, checksum: str, variant: str = "writer") -> dict:
-    """One pass of the writer (beside a :class:`BusyCaller` with ``--busy-caller``)."""
-    if args.busy_caller:
-        with BusyCaller(args.busy_caller, args.busy_kind) as busy:
+    """One pass of the writer (beside a :class:`BusyCaller` with ``--busy-caller``, and with
+    ``--wake-probe`` beside throughput.py's :class:`WakeProbe`, whose figures calibrate the driver's)."""
+    probe = WakeProbe() if getattr(args, "wake_probe", False) else None
+    try:
+        if args.busy_caller:
+            with BusyCaller(args.busy_caller, args.busy_kind) as busy:
+                res = _run_writer(args, root, samples, states, threads, checksum, variant)
+            res = {**res, "caller_work_per_s": busy.per_s}
+        else:
             res = _run_writer(args, root, samples, states, threads, checksum, variant)
-        return {**res, "caller_work_per_s": busy.per_s}
-    return _run_writer(args, root, samples, states, threads, checksum, variant)
+    finally:
+        woke = probe.phase() if probe else None
+        if probe:
+            probe.close()
+    return {**res, **({"wake_late": woke} if woke else {})}
 
 
 def _run_writer(args, root: Path, samples, states, threads: int, checksum: str, variant: str) -> dict:
@@ -285,6 +294,8 @@ def main() -> None:
                     help="a thread busy in Python for this fraction of the time beside the writer (0 to 1)")
     ap.add_argument("--busy-kind", choices=["thread", "process"], default="thread",
                     help="the busy caller as a thread of the writer's process (shares its GIL) or as a process")
+    ap.add_argument("--wake-probe", action="store_true", help="a thread beside the writer records how late it gets "
+                    "the GIL back after each 1 ms sleep (throughput.py's probe, calibrated here)")
     ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
                     help="the interpreter's switch interval for the runs, seconds (sys.setswitchinterval)")
     ap.add_argument("--out", default=None)
