@@ -85,6 +85,16 @@ def throughput_section(title: str, doc: dict) -> list[str]:
                              f"{name}: {w['engine'].get('p50_ms')} / {w['engine'].get('p90_ms')} and "
                              f"{w.get('tail', {}).get('p50_ms')} / {w.get('tail', {}).get('p90_ms')}"
                              for name, w in woke) + ".")
+        cpu = [(x["workload"], x["last_call"]["cpu"]) for x in res.get("workloads", [])
+               if (x.get("last_call") or {}).get("cpu", {}).get("engine")]
+        if cpu:
+            notes.append(f"{mode}: the host's cores busy (share of all, iowait apart), the writer threads' CPU "
+                         "seconds and the times they were taken off a core while ready to run, during the engine "
+                         "calls / in the tail: " + "; ".join(
+                             f"{name}: {c['engine']['host_busy']} / {c['tail'].get('host_busy')}, "
+                             f"{c['engine']['writer_cpu_s']} / {c['tail'].get('writer_cpu_s')} s, "
+                             f"{c['engine']['writer_involuntary_switches']} / "
+                             f"{c['tail'].get('writer_involuntary_switches')}" for name, c in cpu) + ".")
         after = [(x["workload"], x["disk_parallel_after_gbps"], x.get("disk_parallel_after_gb", 4.29))
                  for x in res.get("workloads", []) if x.get("disk_parallel_after_gbps")]
         if after:  # files without the probe's volume wrote 4 GiB

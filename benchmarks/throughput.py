@@ -349,6 +349,49 @@ class WakeProbe:
         self.thread.join()
 
 
+def cpu_snapshot(prefix: str = "speccompat-writer") -> dict:
+    """The host's CPU time by kind (``/proc/stat``, all cores, seconds) and, for this process's
+    threads named ``prefix``*, their CPU seconds and the times they were taken off a core while
+    ready to run (``nonvoluntary_ctxt_switches``); empty where ``/proc`` is not there."""
+    import threading
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        user, nice, system, idle, iowait, irq, softirq, steal = (int(x) / tick for x in fields[:8])
+        out["host"] = {"busy": user + nice + system + irq + softirq + steal, "idle": idle, "iowait": iowait}
+    except (OSError, ValueError):
+        return {}
+    cpu = switches = 0.0
+    for t in threading.enumerate():
+        if not t.name.startswith(prefix) or t.native_id is None:
+            continue
+        try:
+            stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu += (int(stat[11]) + int(stat[12])) / tick  # utime, stime
+            status = Path(f"/proc/self/task/{t.native_id}/status").read_text()
+            switches += int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            pass  # a thread that ended meanwhile
+    out["writer"] = {"cpu_s": cpu, "involuntary_switches": switches}
+    return out
+
+
+def cpu_phase(before: dict, after: dict) -> dict:
+    """What :func:`cpu_snapshot` counted between two snapshots: the host's cores busy (share of all
+    cores, iowait apart) and the writer threads' CPU seconds and involuntary switches."""
+    if not before or not after:
+        return {}
+    b, a = before["host"], after["host"]
+    total = sum(a.values()) - sum(b.values())
+    return {"host_busy": round((a["busy"] - b["busy"]) / total, 3) if total else None,
+            "host_iowait": round((a["iowait"] - b["iowait"]) / total, 3) if total else None,
+            "writer_cpu_s": round(after["writer"]["cpu_s"] - before["writer"]["cpu_s"], 2),
+            "writer_involuntary_switches": int(after["writer"]["involuntary_switches"]
+                                               - before["writer"]["involuntary_switches"])}
+
+
 def driver_extractor(args: argparse.Namespace):
     """The generator feeding speccompat.dataset's writer: what examples/*/extract_hidden_states.py
     runs per batch. Each timed call writes a fresh data set (a new directory under the output
@@ -396,6 +439,7 @@ def driver_extractor(args: argparse.Namespace):
         writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
         size = getattr(extract, "batch", None) or args.driver_batch
         probe = WakeProbe() if args.wake_probe else None
+        host1 = cpu_snapshot()
         t1, cpu1 = time.perf_counter(), time.thread_time()
         each = []  # per generate() call: engine loop seconds, staging files the workers had to make
         if streaming:  # the driver's own loop: one stream, a token budget in flight, each written when done
@@ -412,6 +456,10 @@ def driver_extractor(args: argparse.Namespace):
         t2, cpu2 = time.perf_counter(), time.thread_time()
         backlog = writer.in_flight  # bytes handed to the writer and not yet written, at the last step
         woke = {"engine": probe.phase()} if probe else {}
+        host2 = cpu_snapshot()
+        while writer.in_flight and writer.error is None:  # the last file written: the threads are still there
+            time.sleep(0.001)
+        host3 = cpu_snapshot()  # before close(), with which the writer's threads end
         stats = writer.close()
         t3 = time.perf_counter()
         if probe:
@@ -434,6 +482,9 @@ def driver_extractor(args: argparse.Namespace):
                          "loop_cpu_s": round(cpu2 - cpu1, 3), "loop_s_each": [e[0] for e in each],
                          "switch_interval_s": sys.getswitchinterval(),
                          **({"wake_late": woke} if woke else {}),
+                         # the host's cores and the writer's threads, during the engine calls and the tail
+                         **({"cpu": {"engine": cpu_phase(host1, host2), "tail": cpu_phase(host2, host3)}}
+                            if host1 and host3 else {}),
                          "staging_made_each": [e[1] for e in each]}
         assert stats.files == len(batch), (stats.files, len(batch))
         # Removing the data set is not part of the job: done after the timed part (run_mode calls it)
