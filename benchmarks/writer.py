@@ -21,6 +21,9 @@ the disk at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux), so the fsy
 waits for less. With ``--rounds R`` every variant runs R times, interleaved with the parallel probe
 (``--parallel-probe``), so that each is compared with the disk as it was that minute.
 
+``--fresh-probe``: the parallel probe again in each round, with fresh data in every file (the
+plain probe writes one random buffer into every file; the writer's files all differ).
+
 ``--batch 1`` is how the streaming driver submits (one sample per batch). ``writer_sha256`` names the
 writer code that ran (``speccompat/dataset/writer.py`` as imported), so that runs of two versions of
 it, one after the other on the same disk, can be told apart.
@@ -285,6 +288,8 @@ def main() -> None:
     ap.add_argument("--checksums", nargs="+", default=["xxh3_64", "crc32"],
                     help="'default': the data set's default here (xxh3_64 with xxhash installed, else crc32)")
     ap.add_argument("--parallel-probe", action="store_true", help="also measure the disk for the writer's pattern")
+    ap.add_argument("--fresh-probe", action="store_true", help="also the parallel probe with fresh data in "
+                    "every file (throughput.py's disk_parallel_write_gbps(fresh=True)), after it in each round")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["writer"],
                     help="the writer as it is, or with one of its parts switched off (a measurement only)")
     ap.add_argument("--rounds", type=int, default=1, help="run every variant this many times, each round "
@@ -320,13 +325,17 @@ def main() -> None:
         nbytes = sum(sum(x.numel() * 2 for x in h) for h in states)
         dd_s = disk_write_seconds(root / "dd.bin", nbytes, 8 << 20)
         serial = run_serial(args, root, samples, states, torch)
-        writer, probes = [], []
+        writer, probes, fresh = [], [], []
         for r in range(args.rounds):
             runs = [{**run_writer(args, root, samples, states, t, c, v), "round": r}
                     for v in args.variants for c in args.checksums for t in args.threads]
             if args.parallel_probe:
                 probes.append(disk_parallel_write_gbps(str(root), max(args.threads), nbytes // len(samples), nbytes))
                 runs = [{**w, "of_parallel_probe": round(w["gb_per_s"] / probes[-1], 3)} for w in runs]
+            if args.fresh_probe:  # the same with fresh data in every file, as the writer's
+                fresh.append(disk_parallel_write_gbps(str(root), max(args.threads), nbytes // len(samples), nbytes,
+                                                      fresh=True))
+                runs = [{**w, "of_parallel_fresh_probe": round(w["gb_per_s"] / fresh[-1], 3)} for w in runs]
             writer += runs
         probe = round(sum(probes) / len(probes), 3) if probes else None
         dd_s2 = disk_write_seconds(root / "dd.bin", nbytes, 8 << 20)  # again: the disk's speed may drift during the run
@@ -344,6 +353,8 @@ def main() -> None:
         "busy_caller": args.busy_caller, "busy_kind": args.busy_kind, "switch_interval_s": sys.getswitchinterval(),
         "dd_gb_per_s": round(dd_rate, 3),
         **({"parallel_probe": {"gb_per_s": probe, "threads": max(args.threads), "rounds": probes}} if probe else {}),
+        **({"parallel_fresh_probe": {"gb_per_s": round(sum(fresh) / len(fresh), 3), "threads": max(args.threads),
+                                     "rounds": fresh}} if fresh else {}),
         "serial": {**serial, "of_dd": round(serial["gb_per_s"] / dd_rate, 2)},
         "writer": [{**w, "of_dd": round(w["gb_per_s"] / dd_rate, 2)} for w in writer],
     }
