@@ -336,7 +336,8 @@ class WakeProbe:
             self.late.append(time.perf_counter() - t0 - 0.001)
 
     def phase(self) -> dict:
-        mine, self.start = sorted(self.late[self.start:]), len(self.late)
+        end = len(self.late)  # the thread appends meanwhile: what comes after end is the next phase's
+        mine, self.start = sorted(self.late[self.start:end]), end
         if not mine:
             return {}
         def at(q: float) -> float:
