@@ -288,6 +288,7 @@ def main() -> None:
     ap.add_argument("--checksums", nargs="+", default=["xxh3_64", "crc32"],
                     help="'default': the data set's default here (xxh3_64 with xxhash installed, else crc32)")
     ap.add_argument("--parallel-probe", action="store_true", help="also measure the disk for the writer's pattern")
+    ap.add_argument("--no-serial", action="store_true", help="leave out the former driver's serial path")
     ap.add_argument("--fresh-probe", action="store_true", help="also the parallel probe with fresh data in "
                     "every file (throughput.py's disk_parallel_write_gbps(fresh=True)), after it in each round")
     ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["writer"],
@@ -324,7 +325,7 @@ def main() -> None:
         samples, states = fake(args, torch)
         nbytes = sum(sum(x.numel() * 2 for x in h) for h in states)
         dd_s = disk_write_seconds(root / "dd.bin", nbytes, 8 << 20)
-        serial = run_serial(args, root, samples, states, torch)
+        serial = None if args.no_serial else run_serial(args, root, samples, states, torch)
         writer, probes, fresh = [], [], []
         for r in range(args.rounds):
             runs = [{**run_writer(args, root, samples, states, t, c, v), "round": r}
@@ -355,7 +356,7 @@ def main() -> None:
         **({"parallel_probe": {"gb_per_s": probe, "threads": max(args.threads), "rounds": probes}} if probe else {}),
         **({"parallel_fresh_probe": {"gb_per_s": round(sum(fresh) / len(fresh), 3), "threads": max(args.threads),
                                      "rounds": fresh}} if fresh else {}),
-        "serial": {**serial, "of_dd": round(serial["gb_per_s"] / dd_rate, 2)},
+        **({"serial": {**serial, "of_dd": round(serial["gb_per_s"] / dd_rate, 2)}} if serial else {}),
         "writer": [{**w, "of_dd": round(w["gb_per_s"] / dd_rate, 2)} for w in writer],
     }
     write(doc, args.out)
