@@ -39,7 +39,9 @@ much of its Python work the busy thread got done (``caller_work_per_s``, 4 ms sl
 a second), and ``--switch-interval`` sets the interpreter's switch interval for the runs. With
 ``--busy-kind process`` the same loop runs in a process of its own: it takes a core as the thread
 does but never the writer's GIL, so the two kinds together tell the GIL's share of a loss from the
-core's.
+core's. ``--wake-probe`` adds throughput.py's wake probe beside the writer (``wake_late``: how late a
+thread sleeping 1 ms at a time got the GIL back), which calibrates the figure the driver's passes
+record. ``--no-serial`` leaves the serial path out.
 
     python benchmarks/writer.py --dir /data/bench --samples 64 --tokens 2048 --hidden 7168 --layers 4 \
         --out benchmarks/results/writer-cpu.json
