@@ -446,6 +446,152 @@ def test_a_failed_group_commit_lists_only_files_in_place_and_commits_nothing_lat
     assert problems == []
 
 
+def resident_pages(path: Path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of the file), from ``mincore`` on a mapping that
+    touches none of them."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec), pages
+
+
+class OpsLog(FileOps):
+    """Records, per file descriptor, the writer's calls on it (drop_cache as the writer makes it)."""
+
+    def __init__(self, keep_cache: bool = False) -> None:
+        self.calls: dict[int, list[str]] = {}
+        self.paths: dict[int, str] = {}
+        self.keep_cache = keep_cache
+        self.lock = threading.Lock()
+
+    def _log(self, fd, what):
+        with self.lock:
+            self.calls.setdefault(fd, []).append(what)
+
+    def open(self, path, flags, mode=0o777):
+        fd = os.open(path, flags, mode)
+        with self.lock:
+            self.calls[fd], self.paths[fd] = [], str(path)
+        return fd
+
+    def write(self, fd, buf):
+        self._log(fd, "write")
+        return os.write(fd, buf)
+
+    def fsync(self, fd):
+        self._log(fd, "fsync")
+        os.fsync(fd)
+
+    def drop_cache(self, fd):
+        self._log(fd, "drop_cache")
+        if not self.keep_cache:
+            FileOps.drop_cache(fd)
+
+    def close(self, fd):
+        self._log(fd, "close")
+        with self.lock:
+            self.calls[f"{self.paths[fd]}#{fd}"] = self.calls.pop(fd)  # an fd number is reused
+        os.close(fd)
+
+
+def written(tmp_path: Path, hidden: int, ops: FileOps, n: int = 6):
+    """``n`` samples of 40 tokens x ``hidden`` written through ``ops``; the data set's directory."""
+    import torch
+
+    from speccompat.dataset import open_dataset
+
+    model = model_dir(tmp_path / f"m{hidden}", hidden=hidden)
+    samples = scan(jsonl(tmp_path / f"d{hidden}.jsonl", random_records(n, lo=40, hi=41)))
+    out = tmp_path / f"out-{type(ops).__name__}-{getattr(ops, 'keep_cache', '')}"
+    ds = open_dataset(out, samples, provenance(model))
+    w = ds.writer(threads=2, ops=ops)
+    g = torch.Generator().manual_seed(0)
+    for s in ds.todo:
+        w.submit([ds.job(s, [torch.randn(s.num_tokens, hidden, generator=g).to(torch.bfloat16) for _ in LAYERS])])
+    stats = w.close()
+    ds.lock.close()
+    assert stats.files == n
+    return out
+
+
+@needs_torch
+def test_each_sample_file_is_dropped_from_the_page_cache_once_it_is_durable(tmp_path):
+    ops = OpsLog()
+    out = written(tmp_path, HIDDEN, ops)
+    files = {k: v for k, v in ops.calls.items() if ".safetensors." in k}
+    assert len(files) == 6
+    for name, calls in files.items():
+        # reserve is not logged; the header and the tensors are written, then fsync, then the drop
+        assert calls[-3:] == ["fsync", "drop_cache", "close"], (name, calls)
+        assert calls.count("drop_cache") == 1 and set(calls[:-3]) == {"write"}, (name, calls)
+    manifest = [c for k, c in ops.calls.items() if k.startswith(str(out / "manifest.jsonl"))]
+    assert manifest and all("drop_cache" not in c for c in manifest)  # the manifest is read back at once
+    from speccompat.dataset import verify_dataset
+
+    assert verify_dataset(out) == ([], 6)
+
+
+@needs_torch
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore and posix_fadvise as on Linux")
+def test_written_sample_files_leave_no_pages_in_the_page_cache(tmp_path):
+    # what this file system does with a written, fsync'd file once told its pages are not needed
+    probe = tmp_path / "probe.bin"
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT)
+    os.write(fd, os.urandom(64 * 4096))
+    os.fsync(fd)
+    cached_after_write = resident_pages(probe)[0]
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if cached_after_write == 0 or resident_pages(probe)[0] > 0:
+        pytest.skip(f"the file system of {tmp_path} keeps no written pages or keeps them whatever it is told "
+                    "(tmpfs, some network file systems): nothing to drop")
+    hidden = 1024  # files of 80 pages and more
+    dropped = written(tmp_path, hidden, OpsLog())
+    kept = written(tmp_path, hidden, OpsLog(keep_cache=True))  # the control: the pages were there to drop
+    for out, expect_cached in ((dropped, False), (kept, True)):
+        files = sorted(out.glob("*.safetensors"))
+        assert len(files) == 6
+        for f in files:
+            cached, pages = resident_pages(f)
+            assert pages >= 80
+            assert (cached > pages // 2) if expect_cached else cached == 0, (f.name, cached, pages)
+
+
+@needs_torch
+def test_a_failing_page_cache_drop_is_no_write_error(tmp_path, monkeypatch):
+    from speccompat.dataset import verify_dataset
+
+    calls = []
+
+    def refuse(fd, offset, length, advice):
+        calls.append(advice)
+        raise OSError(errno.ESPIPE, "Illegal seek")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    monkeypatch.setattr(os, "POSIX_FADV_DONTNEED", 4, raising=False)
+    out = written(tmp_path, HIDDEN, FileOps())
+    assert len(calls) == 6  # asked for each file; refused; the files are written all the same
+    assert verify_dataset(out) == ([], 6)
+
+
 @needs_torch
 def test_verify_reports_each_planted_problem(world, capsys):
     from speccompat.cli import main as cli_main

@@ -44,6 +44,19 @@ class FileOps:
         fsync_dir(Path(path))
 
     @staticmethod
+    def drop_cache(fd: int) -> None:
+        """Drop the pages of ``fd``'s file from the page cache once it is fsync'd (clean). Nobody
+        reads a sample file again soon; without this, every file written takes fresh pages, which a
+        virtual machine may have to be handed by its host first, and a long extraction evicts
+        everything else cached on the host (the model's weights, the input). Advisory: a file system
+        or platform without it (tmpfs, macOS) keeps its pages and the write goes on."""
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError as exc:
+                logger.debug("posix_fadvise(DONTNEED) failed (%s); the file's pages stay cached", exc)
+
+    @staticmethod
     def reserve(fd: int, size: int) -> None:
         """Reserve ``size`` bytes (a full disk fails here, before any byte is written)."""
         if size <= 0 or not hasattr(os, "posix_fallocate"):

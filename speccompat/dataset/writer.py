@@ -3,7 +3,11 @@ batch; the caller waits only when more than ``max_in_flight_bytes`` of results a
 
 Per sample (on a writer thread): cast to the stored dtype if needed, encode (safetensors header +
 the tensors' own buffers; or ``torch.save`` for the speculators layout), reserve the space, write,
-checksum each tensor's buffer, fsync, into ``<file>.<pid>.partial``. Per batch, once all its files
+checksum each tensor's buffer, fsync, into ``<file>.<pid>.partial``, then drop the file's pages from
+the page cache (:meth:`FileOps.drop_cache`): nobody reads them again soon, and on a virtual machine
+that hands memory left free for a few seconds back to its host, every new cached page costs a fault
+in the host, which held 16 threads writing fsync'd files to about 0.6 of their rate with the pages
+dropped (benchmarks/NOTES.md, "The page cache on a virtual machine"). Per batch, once all its files
 are written (in submission order; the batches finished by then together, a group commit): append
 their manifest entries with one write + fsync, rename each file into place, fsync the directory
 once. Hence a visible sample file is complete and has its manifest entry, whenever the process
@@ -210,6 +214,7 @@ class DatasetWriter:
                     for name, dtype, shape, buf in enc.tensors:
                         tensors[name] = {"dtype": dtype, "shape": shape, "checksum": self.digest(buf)}
                 ops.fsync(fd)
+                ops.drop_cache(fd)
             finally:
                 ops.close(fd)
         except BaseException:
