@@ -12,6 +12,9 @@ disk as it was that minute, with a ``sync()`` after each deletion (throughput.py
 The parallel probe writes one random buffer into every file; the driver's files all differ. With
 ``--fresh`` each round also runs the probe with fresh data (every 4 KiB block written differs from
 every other, ``parallel_fresh_gbps``), which tells whether the disk writes repeated data faster.
+With ``--drop-cache`` each round also runs it with each file's pages dropped from the page cache
+after its fsync, as the writer does (``parallel_drop_cache_gbps``). The parallel probes of a round
+run in an order that rotates from one round to the next.
 
     python benchmarks/disk.py --dir /data/bench --file-mb 16.5 --threads 16 --volumes 4 17 \
         --rounds 3 --out benchmarks/results/disk-cpu.json
@@ -41,6 +44,8 @@ def main() -> None:
     ap.add_argument("--volumes", type=float, nargs="+", default=[4.0, 17.0], help="GB written by each probe")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--fresh", action="store_true", help="also run the parallel probe with fresh data in every file")
+    ap.add_argument("--drop-cache", action="store_true", help="also run the parallel probe with each file's pages "
+                    "dropped from the page cache after its fsync (as the writer does)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if any(v <= 0 for v in args.volumes) or args.file_mb <= 0 or args.threads < 1 or args.rounds < 1:
@@ -51,16 +56,18 @@ def main() -> None:
         ap.error(f"{args.dir} has {free.f_bavail * free.f_frsize / 1e9:.1f} GB free; the largest volume "
                  f"needs {max(args.volumes) * 1.1:.1f} GB")
     file_bytes = int(args.file_mb * 1e6)
+    # the parallel probes of a round: (result key, fresh data, pages dropped)
+    kinds = [("parallel_gbps", False, False), *([("parallel_fresh_gbps", True, False)] if args.fresh else []),
+             *([("parallel_drop_cache_gbps", False, True)] if args.drop_cache else [])]
     rounds = []
     for r in range(args.rounds):
         for gb in args.volumes:
             total = int(gb * 1e9)
             t0 = time.perf_counter()
             probes = {}
-            for fresh in ([False, True] if r % 2 == 0 else [True, False]) if args.fresh else [False]:
-                # with --fresh, which of the two goes first alternates between rounds
-                key = "parallel_fresh_gbps" if fresh else "parallel_gbps"
-                probes[key] = disk_parallel_write_gbps(str(args.dir), args.threads, file_bytes, total, fresh=fresh)
+            for key, fresh, drop in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # no kind always first
+                probes[key] = disk_parallel_write_gbps(str(args.dir), args.threads, file_bytes, total, fresh=fresh,
+                                                       drop_cache=drop)
             dd = disk_write_gbps(str(args.dir), total=total)
             rounds.append({"round": r, "gb": gb, **probes, "dd_gbps": dd,
                            "s": round(time.perf_counter() - t0, 1)})
@@ -70,7 +77,7 @@ def main() -> None:
         mine = [x for x in rounds if x["gb"] == gb]
         summary[str(gb)] = {k: {"mean": round(sum(x[k] for x in mine) / len(mine), 3),
                                 "min": min(x[k] for x in mine), "max": max(x[k] for x in mine)}
-                            for k in ("parallel_gbps", *(["parallel_fresh_gbps"] if args.fresh else []), "dd_gbps")}
+                            for k in (*(key for key, _, _ in kinds), "dd_gbps")}
     doc = {"benchmark": "disk", "command": " ".join(["python3", *sys.argv]),
            "machine": f"{platform.machine()}, {os.cpu_count()} cores", "dir": str(args.dir),
            "file_bytes": file_bytes, "threads": args.threads, "rounds": rounds, "by_volume_gb": summary}

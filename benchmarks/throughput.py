@@ -39,7 +39,10 @@ warm-up pass of each workload, --warm-up, excluded):
              driver-disk: the same into --disk-dir, next to that disk's own fsync'd sequential
              write bandwidth measured in the same run (disk_write_gbps: one stream, as dd) and the
              disk's rate for the driver's own pattern (disk_parallel_write_gbps: --writer-threads
-             threads each writing files of the driver's mean sample size, fsync'd, as fio would)
+             threads each writing files of the driver's mean sample size, fsync'd, as fio would;
+             disk_parallel_drop_cache_gbps: the same with each file's pages dropped from the page
+             cache after its fsync, as the writer does). --page-cache drop keep runs every disk
+             pass twice, back to back, the writer dropping its pages and keeping them (as before)
   driver-stream, driver-stream-disk  the driver's own loop (speccompat.dataset.extract
              stream_results: stream() with views, samples admitted up to the token budget that
              --max-in-flight-gb gives, each written as soon as its last step ran); --driver-batch,
@@ -175,13 +178,20 @@ def run_mode(args: argparse.Namespace) -> dict:
     runs = [(w, w["name"], None) for w in workloads]
     if args.mode.startswith("driver") and args.driver_batches:
         runs += [(workloads[0], f"{workloads[0]['name']}, batch={b}", b) for b in args.driver_batches]
+    runs = [(w, name, b, "drop") for w, name, b in runs]
+    if args.mode.endswith("-disk") and args.page_cache != ["drop"]:
+        # each run once per page-cache setting, back to back, the order alternating from run to
+        # run: an A/B on the same engine and disk minute by minute
+        runs = [(w, name + PAGE_CACHE_SUFFIX[c], b, c) for k, (w, name, b, _) in enumerate(runs)
+                for c in (args.page_cache if k % 2 == 0 else args.page_cache[::-1])]
     # Warm-up, not timed: one pass of every run (--warm-up each) or of the first (first), so that
     # what is timed is the steady state of a long extraction: engine caches warm, the workers'
     # staging files grown to the largest call and pinned. A call larger than any before replaces
     # a pinned multi-GB file (seconds on a GPU), which a long job pays once, not per call.
     extract.calls = []
-    for w, _, driver_batch in runs if args.warm_up == "each" else runs[:1]:
+    for w, _, driver_batch, cache in runs if args.warm_up == "each" else runs[:1]:
         extract.batch = driver_batch or args.driver_batch
+        extract.page_cache = cache
         extract.bound = w["per_call"]
         for batch in batches(w, args.mode):
             extract(batch)
@@ -189,9 +199,10 @@ def run_mode(args: argparse.Namespace) -> dict:
     if dp:
         barrier(Path(args.barrier), args.dp_rank, args.dp_size)
     results = []
-    for w, name, driver_batch in runs:
+    for w, name, driver_batch, cache in runs:
         seqs, per_call = w["seqs"], w["per_call"] or len(w["seqs"])
         extract.batch = driver_batch or args.driver_batch
+        extract.page_cache = cache
         extract.bound = w["per_call"]
         extract.calls = []
         todo = batches(w, args.mode)
@@ -211,8 +222,9 @@ def run_mode(args: argparse.Namespace) -> dict:
                         "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
                         "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
                         **({"driver_batch": extract.batch} if args.mode.startswith("driver") else {}),
+                        **({"page_cache": cache} if args.mode.endswith("-disk") else {}),
                         **({"cleanup_sync_s": settle_s} if settle_s is not None else {}),
-                        **disk_probe_after(args, getattr(extract, "stats", None) or {}),
+                        **disk_probe_after(args, getattr(extract, "stats", None) or {}, drop_cache=cache == "drop"),
                         **({"wall": [round(wall0, 3), round(wall0 + seconds, 3)]} if dp else {}),
                         **({"last_call": extract.stats} if getattr(extract, "stats", None) else {}),
                         **({"calls": extract.calls} if extract.calls else {})})
@@ -220,18 +232,21 @@ def run_mode(args: argparse.Namespace) -> dict:
             "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
 
 
-def disk_probe_after(args: argparse.Namespace, stats: dict) -> dict:
+def disk_probe_after(args: argparse.Namespace, stats: dict, *, drop_cache: bool = True) -> dict:
     """The disk's rate for the driver's pattern right after a disk workload, untimed, while the engine
     is idle: the anchor of the same minute, writing as much as the pass wrote (half the free space at
     most), so that it is held to the same sustained volume. The probe before the modes is taken on a
     disk that has not yet absorbed the run's writes, and writes 4 GiB: on the H200 host, in run 4
     of benchmarks/NOTES.md, the passes wrote 1.28-1.35 GB/s while 4 GiB probes after each of them
-    gave 1.61-1.82. The fields for the pass's results (none for other modes)."""
+    gave 1.61-1.82. Each file's pages are dropped from the page cache after its fsync when the pass's
+    writer dropped them (``drop_cache``), so that the probe has the pass's own pattern. The fields for
+    the pass's results (none for other modes)."""
     if not args.mode.endswith("-disk") or not stats.get("files"):
         return {}
     file_bytes = stats["bytes"] // stats["files"]
     total = probe_bytes(stats["bytes"], most=shutil.disk_usage(args.disk_dir).free // 2)
-    return {"disk_parallel_after_gbps": disk_parallel_write_gbps(args.disk_dir, args.writer_threads, file_bytes, total),
+    return {"disk_parallel_after_gbps": disk_parallel_write_gbps(args.disk_dir, args.writer_threads, file_bytes, total,
+                                                                 drop_cache=drop_cache),
             "disk_parallel_after_gb": round(total / 1e9, 2)}
 
 
@@ -437,7 +452,9 @@ def driver_extractor(args: argparse.Namespace):
         out = Path(tempfile.mkdtemp(prefix="ds-", dir=root))
         scan = scan_jsonl(data, vocab_size=info.vocab_size, max_seq_len=args.max_model_len - 1, on_long="fail")
         ds = open_dataset(out, scan.samples, prov)
-        writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
+        keep = getattr(extract, "page_cache", "drop") == "keep"
+        writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9),
+                           ops=keep_page_cache_ops() if keep else None)
         size = getattr(extract, "batch", None) or args.driver_batch
         probe = WakeProbe() if args.wake_probe else None
         host1 = cpu_snapshot()
@@ -497,6 +514,21 @@ def driver_extractor(args: argparse.Namespace):
     return extract
 
 
+def keep_page_cache_ops():
+    """The writer's file operations with each file's pages left in the page cache after its fsync,
+    as the writer did before it dropped them (``--page-cache keep``)."""
+    from speccompat.dataset.fsutil import FileOps
+
+    class KeepPageCache(FileOps):
+        drop_cache = staticmethod(lambda fd: None)
+
+    return KeepPageCache()
+
+
+#: ``--page-cache`` setting -> the suffix of a disk pass's workload name
+PAGE_CACHE_SUFFIX = {"drop": "", "keep": ", keep-cache"}
+
+
 def barrier(where: Path, rank: int, size: int, timeout: float = 900.0) -> None:
     """Wait until every engine of a driver-dp run is warm, so that they are timed together."""
     where.mkdir(parents=True, exist_ok=True)
@@ -533,14 +565,16 @@ def disk_write_gbps(directory: str, total: int = 4 << 30, block: int = 16 << 20)
     return round(total / disk_write_seconds(os.path.join(directory, "speccompat-dd.bin"), total, block) / 1e9, 3)
 
 
-def disk_parallel_write_gbps(directory: str, threads: int, file_bytes: int, total: int, *, fresh: bool = False) -> float:
+def disk_parallel_write_gbps(directory: str, threads: int, file_bytes: int, total: int, *, fresh: bool = False,
+                             drop_cache: bool = False) -> float:
     """The disk's rate for the driver's pattern (as fio would measure it): ``threads`` threads, each
     writing whole files of ``file_bytes`` and fsync'ing each, ``total`` bytes in all, GB/s.
 
     Every file is the same random buffer, unless ``fresh``: then each thread stamps the file's
     number into every 4 KiB block of its own copy before writing it, so that no two blocks written
     are alike, as no two of the driver's are (a disk that deduplicates or compresses would write the
-    repeated buffer faster than the driver's data)."""
+    repeated buffer faster than the driver's data). ``drop_cache``: each file's pages are dropped
+    from the page cache after its fsync, as the writer does (``FileOps.drop_cache``)."""
     from array import array
     from concurrent.futures import ThreadPoolExecutor
 
@@ -559,6 +593,8 @@ def disk_parallel_write_gbps(directory: str, threads: int, file_bytes: int, tota
             try:
                 os.write(fd, data)
                 os.fsync(fd)
+                if drop_cache:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
 
@@ -648,7 +684,7 @@ def child_command(mode: str, args: argparse.Namespace, inputs: Path, out: Path, 
             "--gpu-memory-utilization", str(memory or args.gpu_memory_utilization), "--tp", str(args.tp),
             "--driver-dir", args.driver_dir, "--disk-dir", args.disk_dir, "--driver-batch", str(args.driver_batch),
             "--writer-threads", str(args.writer_threads), "--max-in-flight-gb", str(args.max_in_flight_gb),
-            "--warm-up", args.warm_up,
+            "--warm-up", args.warm_up, "--page-cache", *args.page_cache,
             *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else []),
             *(["--wake-probe"] if args.wake_probe else []),
             *(["--driver-batches", *map(str, args.driver_batches)] if args.driver_batches else []), *extra]
@@ -724,6 +760,10 @@ def main() -> int:
     ap.add_argument("--writer-threads", type=int, default=None,
                     help="driver modes: writer threads (default: the driver's, one per CPU, 2 to 16)")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0, help="driver modes: in-flight budget")
+    ap.add_argument("--page-cache", nargs="+", choices=["drop", "keep"], default=["drop"],
+                    help="disk modes: the writer drops each file's pages from the page cache after its fsync "
+                         "(drop, the writer as it is) or keeps them (keep, as before); both: every pass once "
+                         "with each, back to back (workloads named ', keep-cache' for keep)")
     ap.add_argument("--warm-up", choices=["each", "first"], default="each",
                     help="untimed pass before timing: of every workload and batch size (each), or of the "
                          "first workload only (first: results files written before this option)")
@@ -789,6 +829,9 @@ def main() -> int:
         results["disk"] = {"mode": "disk", "dir": args.disk_dir, "disk_write_gbps": disk_write_gbps(args.disk_dir),
                            "disk_parallel_write_gbps": disk_parallel_write_gbps(args.disk_dir, args.writer_threads,
                                                                                 sample, total),
+                           # the same with each file's pages dropped after its fsync, as the writer does
+                           "disk_parallel_drop_cache_gbps": disk_parallel_write_gbps(
+                               args.disk_dir, args.writer_threads, sample, total, drop_cache=True),
                            "threads": args.writer_threads, "file_bytes": sample, "total_bytes": total}
     for mode in args.modes:
         runs = [spawn_mode(mode, args, inputs) for _ in range(args.repeat)]
@@ -845,10 +888,11 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     # and each disk pass against the probe taken right after it (the disk of the same minute)
     for mine in ("driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-dp"):
         for r in results.get(mine, {}).get("workloads", []):
-            name, _, b = r["workload"].partition(", batch=")
-            label = f"{mine} batch={b}" if b else mine
+            suffix = PAGE_CACHE_SUFFIX.get(r.get("page_cache", "drop"), "")
+            name, _, b = r["workload"].removesuffix(suffix).partition(", batch=")
+            label = (f"{mine} batch={b}" if b else mine) + suffix
             plain, got, after = tps("plain", name), r.get("tokens_per_s"), r.get("disk_parallel_after_gbps")
-            if b and plain and got:
+            if (b or suffix) and plain and got:
                 ratios.setdefault(name, {})[f"{label}/plain"] = round(got / plain, 3)
             if after and got and bytes_per_token:
                 ratios.setdefault(name, {})[f"{label} GB/s / parallel disk after GB/s"] = round(
@@ -856,7 +900,8 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     for w in workloads:  # against the probes taken before the modes
         for disk_mode in ("driver-disk", "driver-stream-disk"):
             d = tps(disk_mode, w["name"])
-            for probe, label in (("disk_write_gbps", "disk"), ("disk_parallel_write_gbps", "parallel disk")):
+            for probe, label in (("disk_write_gbps", "disk"), ("disk_parallel_write_gbps", "parallel disk"),
+                                 ("disk_parallel_drop_cache_gbps", "parallel disk, pages dropped")):
                 disk = results.get("disk", {}).get(probe)
                 if d and disk and bytes_per_token:
                     ratios[w["name"]][f"{disk_mode} GB/s / {label} GB/s"] = round(d * bytes_per_token / 1e9 / disk, 3)

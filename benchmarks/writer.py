@@ -16,10 +16,12 @@ buffers, checksums on the writer threads, fsyncs and renames grouped per batch) 
 variant leaves out is not durable or not checked: these are measurements, never a mode of the
 writer): ``no-reserve`` (no ``posix_fallocate`` before the write), ``no-checksum``, ``no-commit-sync``
 (the commit's manifest and directory fsyncs skipped; every file still fsync'd), ``bare`` (all
-three). ``writeback`` adds instead of removing: after each write the file's new range is handed to
+three), ``keep-cache`` (each file's pages left in the page cache after its fsync, as the writer did
+before it dropped them). ``writeback`` adds instead of removing: after each write the file's new range is handed to
 the disk at once (``sync_file_range(SYNC_FILE_RANGE_WRITE)``, Linux), so the fsync that follows
 waits for less. With ``--rounds R`` every variant runs R times, interleaved with the parallel probe
-(``--parallel-probe``), so that each is compared with the disk as it was that minute.
+(``--parallel-probe``), so that each is compared with the disk as it was that minute; the variants'
+order reverses from one round to the next.
 
 ``--fresh-probe``: the parallel probe again in each round, with fresh data in every file (the
 plain probe writes one random buffer into every file; the writer's files all differ).
@@ -90,7 +92,7 @@ def provenance(args):
 VARIANTS: dict[str, frozenset[str]] = {
     "writer": frozenset(), "no-reserve": frozenset({"reserve"}), "no-checksum": frozenset({"checksum"}),
     "no-commit-sync": frozenset({"commit-sync"}), "bare": frozenset({"reserve", "checksum", "commit-sync"}),
-    "writeback": frozenset(),
+    "writeback": frozenset(), "keep-cache": frozenset({"drop-cache"}),
 }
 
 
@@ -148,6 +150,11 @@ def variant_ops(variant: str, manifest_path: Path):
         def reserve(fd, size):
             if "reserve" not in off:
                 FileOps.reserve(fd, size)
+
+        @staticmethod
+        def drop_cache(fd):
+            if "drop-cache" not in off:
+                FileOps.drop_cache(fd)
 
     return Ops()
 
@@ -330,8 +337,9 @@ def main() -> None:
         serial = None if args.no_serial else run_serial(args, root, samples, states, torch)
         writer, probes, fresh = [], [], []
         for r in range(args.rounds):
+            order = args.variants if r % 2 == 0 else args.variants[::-1]  # no variant always first after the probe
             runs = [{**run_writer(args, root, samples, states, t, c, v), "round": r}
-                    for v in args.variants for c in args.checksums for t in args.threads]
+                    for v in order for c in args.checksums for t in args.threads]
             if args.parallel_probe:
                 probes.append(disk_parallel_write_gbps(str(root), max(args.threads), nbytes // len(samples), nbytes))
                 runs = [{**w, "of_parallel_probe": round(w["gb_per_s"] / probes[-1], 3)} for w in runs]

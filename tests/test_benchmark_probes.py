@@ -110,3 +110,42 @@ def test_cpu_snapshot_counts_the_writer_threads():
     assert phase["writer_cpu_s"] > 0  # the spinning thread, and only it, is counted
     assert 0 < phase["host_busy"] <= 1 and 0 <= phase["host_iowait"] <= 1
     assert throughput.cpu_phase({}, after) == {}
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_probe_drops_each_file_from_the_page_cache_after_its_fsync_when_asked(monkeypatch, tmp_path, drop):
+    events: list[tuple[str, int]] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(throughput, "settle", lambda: None)
+    monkeypatch.setattr(throughput.os, "fsync", lambda fd: (events.append(("fsync", fd)), real_fsync(fd))[1])
+    monkeypatch.setattr(throughput.os, "posix_fadvise",
+                        lambda fd, off, n, advice: events.append(("drop", fd)) if advice == 4 else None, raising=False)
+    monkeypatch.setattr(throughput.os, "POSIX_FADV_DONTNEED", 4, raising=False)
+    throughput.disk_parallel_write_gbps(str(tmp_path), 1, 3 * BLOCK, 5 * 3 * BLOCK, drop_cache=drop)
+    monkeypatch.undo()
+    fsyncs = [fd for what, fd in events if what == "fsync"]
+    assert len(fsyncs) == 5
+    # with drop_cache: each fsync is followed by the drop of the same file, before the next file
+    assert events == ([e for fd in fsyncs for e in (("fsync", fd), ("drop", fd))] if drop else
+                      [("fsync", fd) for fd in fsyncs])
+
+
+def test_ratios_name_each_page_cache_setting_against_plain_prefill():
+    import argparse
+
+    args = argparse.Namespace(model_path="/nonexistent", model="llama", set=[], min_len=1, max_len=2, warm_up="first")
+    seqs = [[1, 2]] * 4
+
+    def run(name, tps, cache=None, after=None):
+        return {"workload": name, "tokens_per_s": tps, **({"page_cache": cache} if cache else {}),
+                **({"disk_parallel_after_gbps": after} if after else {})}
+
+    results = {"plain": {"workloads": [run("main", 100.0)]},
+               "driver-stream-disk": {"workloads": [
+                   run("main", 95.0, "drop"), run("main, keep-cache", 80.0, "keep"),
+                   run("main, batch=8, keep-cache", 70.0, "keep"), run("main, batch=8", 91.0, "drop")]}}
+    ratios = throughput.document(args, seqs, [{"name": "main"}], results)["ratios"]["main"]
+    assert ratios["driver-stream-disk/plain"] == 0.95
+    assert ratios["driver-stream-disk, keep-cache/plain"] == 0.8
+    assert ratios["driver-stream-disk batch=8/plain"] == 0.91
+    assert ratios["driver-stream-disk batch=8, keep-cache/plain"] == 0.7
