@@ -593,7 +593,7 @@ def disk_parallel_write_gbps(directory: str, threads: int, file_bytes: int, tota
             try:
                 os.write(fd, data)
                 os.fsync(fd)
-                if drop_cache:
+                if drop_cache and hasattr(os, "posix_fadvise"):  # Linux; elsewhere the pages stay
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
@@ -788,6 +788,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.switch_interval is not None and args.switch_interval <= 0:
         ap.error("--switch-interval must be positive")
+    args.page_cache = list(dict.fromkeys(args.page_cache))  # each setting once
     if args.writer_threads is None:  # as the driver would run on this machine
         from speccompat.dataset.extract import default_writer_threads
 
