@@ -477,7 +477,7 @@ class OpsLog(FileOps):
     """Records, per file descriptor, the writer's calls on it (drop_cache as the writer makes it)."""
 
     def __init__(self, keep_cache: bool = False) -> None:
-        self.calls: dict[int, list[str]] = {}
+        self.calls: dict[int | str, list[str]] = {}  # by fd while open, by "path#fd" once closed
         self.paths: dict[int, str] = {}
         self.keep_cache = keep_cache
         self.lock = threading.Lock()
