@@ -235,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return extract_main(argv[1:], prog="speccompat extract")
     ap = argparse.ArgumentParser(prog="speccompat", description="speccompat: speculators 0.3/0.4 on any vLLM")
+    from . import __version__
+
+    ap.add_argument("--version", action="version", version=f"speccompat {__version__}")
     sub = ap.add_subparsers(dest="cmd")
     sub.add_parser("extract", help="extract the hidden states of tokenized samples into a data set "
                    "(speccompat extract --help; exit 0 done, 1 failed, 2 refused, 130 interrupted)")

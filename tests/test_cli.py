@@ -25,6 +25,29 @@ def test_doctor_without_vllm_says_so_and_fails(tmp_path, py):
     assert "verdict: NOT supported" in proc.stdout
 
 
+def test_doctor_and_version_print_the_version(tmp_path, py):
+    """The version a bug report needs: doctor's first line and JSON, and ``--version`` alone; the
+    value is the package's ``__version__`` (the one the package metadata is built from), and it has
+    a section in CHANGELOG.md."""
+    import re
+    from pathlib import Path
+
+    import speccompat
+
+    version = speccompat.__version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version)
+    write_fake_speculators(tmp_path, "0.4.0.1")
+    proc = py("import sys; from speccompat.cli import main; sys.exit(main(['doctor']))", path=[tmp_path], check=False)
+    assert proc.stdout.splitlines()[0].startswith(f"speccompat {version}  (python "), proc.stdout
+    proc = py(NO_ENV.format(prefix=str(tmp_path)) + "from speccompat.cli import main; sys.exit(main(['doctor', '--json']))",
+              path=[tmp_path], check=False)
+    assert json.loads(proc.stdout)["speccompat"] == version
+    proc = py("import sys; from speccompat.cli import main; sys.exit(main(['--version']))", check=False)
+    assert (proc.returncode, proc.stdout) == (0, f"speccompat {version}\n")
+    changelog = (Path(__file__).resolve().parent.parent / "CHANGELOG.md").read_text()
+    assert f"## [{version}] - " in changelog
+
+
 @pytest.mark.parametrize(("cpuinfo", "expected"), [
     ("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx avx2 fma\n", False),
     ("flags\t\t: avx2 avx512f avx512bw avx512vl\n", False),  # AVX-512 without its bf16 extension
