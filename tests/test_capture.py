@@ -423,6 +423,52 @@ def test_the_0_11_adapter_refuses_a_runner_without_input_batch_naming_the_symbol
     assert e.value.symbol == "vllm.v1.worker.gpu_input_batch:InputBatch.req_ids"
 
 
+def test_the_0_34_adapter_captures_from_the_v2_runner_as_before(tp):
+    runner = RunnerV2(Base(4))
+    cap = WorkerCapture(types.SimpleNamespace(model_runner=runner), [1, 3],
+                        adapter=declaring("vllm_0_34_0", Layer="hidden+residual"))
+    runner.prompts = {"a": [5, 6, 7, 8], "b": [9, 10]}
+    cap.reset()
+    step(runner, ["b", "a"], {"b": (0, 2), "a": (0, 4)}, new=["a", "b"])
+    out = cap.collect(["a", "b"])
+    assert out["lengths"] == [4, 2] and out["stats"]["unverified_steps"] == 0
+    from speccompat.transport import unpack
+
+    states = unpack(out["states"])
+    for j, layer in enumerate([1, 3]):
+        for rid, g in zip("ab", torch.split(states[j], out["lengths"]), strict=True):
+            assert torch.equal(g, expected(runner.prompts[rid], layer)), (rid, layer)
+
+
+def test_the_0_34_adapter_refuses_a_v1_runner_naming_the_v2_runner(tp):
+    runner = Runner(Base(4))  # has input_batch: the runner vLLM 0.34 no longer has
+    with pytest.raises(DriftError) as e:
+        WorkerCapture(types.SimpleNamespace(model_runner=runner), [2],
+                      adapter=declaring("vllm_0_34_0", Layer="hidden+residual"))
+    assert e.value.symbol == "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_inputs"
+    assert "not the V2 model runner" in str(e.value)
+
+
+def test_a_step_over_an_extensible_kv_cache_fails_before_any_state_is_kept(tp):
+    """vLLM 0.34 commits an extensible KV cache's blocks only from EngineCore, which speculators'
+    engine does not run: a runner holding one must fail on its first step, with nothing collected."""
+    runner = RunnerV2(Base(4))
+    cap = WorkerCapture(types.SimpleNamespace(model_runner=runner), [2],
+                        adapter=declaring("vllm_0_34_0", Layer="hidden+residual"))
+    runner.prompts = {"a": [5, 6, 7]}
+    runner.extensible_kv_cache = object()
+    cap.reset()
+    with pytest.raises(DriftError, match="extensible KV cache") as e:
+        step(runner, ["a"], {"a": (0, 3)}, new=["a"])
+    assert e.value.symbol == "vllm.config:CacheConfig.enable_extensible_kv_cache"
+    assert cap.steps == []
+    # the same runner without it captures
+    del runner.extensible_kv_cache
+    cap.reset()
+    step(runner, ["a"], {"a": (0, 3)}, new=["a"])
+    assert cap.collect(["a"])["lengths"] == [3]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 3.0])
 def test_all_finite_matches_isfinite(dtype, value):

@@ -1,10 +1,10 @@
 """Supporting a new vLLM release is one adapter module plus its evidence, and nothing else.
 
-In a temporary copy of the repository a synthetic release, vLLM 0.34.0, gets what the README's
-"Adding a vLLM release" asks for: ``adapters/vllm_0_34_0.py`` (subclassing the newest adapter,
-one ``Change``, one symbol new in 0.34.0) and its static evidence, made by running
-``scripts/static_check.py 0.34.0`` on a source tree of that release. Then, with no other file
-touched by hand: the registry serves 0.34.0 with the new adapter (and the old adapter stops
+In a temporary copy of the repository a synthetic release, the minor release after the newest
+adapter's (NEW), gets what the README's "Adding a vLLM release" asks for: ``adapters/vllm_X_Y_0.py``
+(subclassing the newest adapter, one ``Change``, one symbol new in NEW) and its static evidence,
+made by running ``scripts/static_check.py NEW`` on a source tree of that release. Then, with no other
+file touched by hand: the registry serves NEW with the new adapter (and the old adapter stops
 matching it), the regenerated matrix has its cells, ``speccompat doctor`` on an installation of it
 picks the new adapter, and the nox sessions include it.
 """
@@ -21,30 +21,38 @@ import textwrap
 from pathlib import Path
 
 from fakes import release_facts, write_fake_speculators, write_fake_vllm
+from packaging.version import Version
 
 from speccompat.probe import Symbol
+from speccompat.registry import adapter_modules
 
 REPO = Path(__file__).resolve().parent.parent
 NEW_SYMBOL = Symbol("vllm.v1.request:Request.prefill_only", accepts=())
 
-ADAPTER = '''"""vLLM 0.34.0 (synthetic, for tests/test_new_release.py): Request grows prefill_only()."""
+#: The synthetic release: the minor release after the newest adapter's first release.
+LAST = str(adapter_modules()[-1][0])
+LAST_MOD = adapter_modules()[-1][1]
+NEW = f"{Version(LAST).major}.{Version(LAST).minor + 1}.0"
+NEW_MOD = "vllm_" + NEW.replace(".", "_")
+
+ADAPTER = '''"""vLLM NEW (synthetic, for tests/test_new_release.py): Request grows prefill_only()."""
 
 from __future__ import annotations
 
 from speccompat.adapter import Change
 from speccompat.probe import Symbol, fingerprint
 
-from . import vllm_0_33_0 as prev
+from . import LAST_MOD as prev
 
 
 class Adapter(prev.Adapter):
-    since = "0.34.0"
+    since = "NEW"
     changes = (
-        Change(vllm="0.34.0", what="Request.prefill_only() appears", breaks="nothing (synthetic)",
+        Change(vllm="NEW", what="Request.prefill_only() appears", breaks="nothing (synthetic)",
                how="nothing to do", remove_when="n/a"),
     )
     requires = fingerprint(prev.Adapter.requires, [Symbol("vllm.v1.request:Request.prefill_only", new=True)])
-'''
+'''.replace("LAST_MOD", LAST_MOD).replace("NEW", NEW)
 
 NOX_STUB = '''
 """Records what noxfile.py declares (the sessions and their parameters), as nox -l would list them."""
@@ -118,8 +126,9 @@ def _run(tmp: Path, args: list[str], *, path: list[Path] = (), cwd: Path) -> sub
 
 
 def _fake_release(root: Path, version: str) -> None:
-    """A vLLM tree shaped like 0.33.0's recorded facts plus the new symbol, reporting ``version``."""
-    write_fake_vllm(root, [*release_facts("0.33.0"), NEW_SYMBOL], version=version)
+    """A vLLM tree shaped like the newest adapter's first release's recorded facts plus the new symbol,
+    reporting ``version``."""
+    write_fake_vllm(root, [*release_facts(LAST), NEW_SYMBOL], version=version)
     (root / "vllm" / "_version.py").write_text(f'__version__ = "{version}"\n')
 
 
@@ -129,18 +138,18 @@ def test_a_new_release_needs_one_adapter_module_and_its_evidence(tmp_path):
               and "evidence/cpu" not in str(p) and "evidence/gpu" not in str(p)}
 
     # 1. the adapter module, 2. its evidence: the static check of the release's sources
-    (repo / "adapters" / "vllm_0_34_0.py").write_text(ADAPTER)
+    (repo / "adapters" / f"{NEW_MOD}.py").write_text(ADAPTER)
     sources = tmp_path / "sources"
-    _fake_release(sources / "0.34.0", "0.34.0")
-    out = _run(tmp_path, ["scripts/static_check.py", "--sources", str(sources), "--speculators", "--", "0.34.0"],
+    _fake_release(sources / NEW, NEW)
+    out = _run(tmp_path, ["scripts/static_check.py", "--sources", str(sources), "--speculators", "--", NEW],
                cwd=repo).stdout
     assert "all ok" in out, out[-2000:]
     evidence = json.loads((repo / "evidence" / "static" / "releases.json").read_text())
-    assert evidence["releases"][-2:] == ["0.33.0", "0.34.0"]
-    new = evidence["results"]["0.34.0"]
-    assert (new["ok"], new["adapter"], new["other_matches"]) == (True, "vllm_0_34_0", [])
+    assert evidence["releases"][-2:] == [LAST, NEW]
+    new = evidence["results"][NEW]
+    assert (new["ok"], new["adapter"], new["other_matches"]) == (True, NEW_MOD, [])
     # the older adapter is told apart by the symbol the new one marks new - derived, not written in it
-    assert new["distinguished_by"]["vllm_0_33_0"] == [NEW_SYMBOL.path]
+    assert new["distinguished_by"][LAST_MOD] == [NEW_SYMBOL.path]
     assert evidence["results"]["0.32.0"] == json.loads((REPO / "evidence/static/releases.json").read_text())[
         "results"]["0.32.0"]  # other releases kept as they were
 
@@ -150,36 +159,36 @@ def test_a_new_release_needs_one_adapter_module_and_its_evidence(tmp_path):
             if line.strip().startswith("- {")]
     cells = {(r["speculators"], r["vllm"]): r for r in rows}
     for spec in evidence["speculators"]:
-        assert cells[(spec, "0.34.0")]["adapter"] == "vllm_0_34_0" and cells[(spec, "0.34.0")]["status"] == "static"
-    assert "| 0.34.0 | vllm_0_34_0 | static | static | static |" in (repo / "README.md").read_text()
+        assert cells[(spec, NEW)]["adapter"] == NEW_MOD and cells[(spec, NEW)]["status"] == "static"
+    assert f"| {NEW} | {NEW_MOD} | static | static | static |" in (repo / "README.md").read_text()
 
     # the registry, from an installation of this tree
     code = textwrap.dedent("""
         import json
         from packaging.version import Version
         from speccompat import registry
-        print(json.dumps([registry.by_version(Version("0.34.0")).name(), registry.by_version(Version("0.33.0")).name(),
-                          registry.fingerprint(registry.by_name("vllm_0_33_0"))[PATH].absent,
-                          PATH in registry.by_name("vllm_0_33_0").requires]))
-    """).replace("PATH", repr(NEW_SYMBOL.path))
+        print(json.dumps([registry.by_version(Version("NEW")).name(), registry.by_version(Version("LAST")).name(),
+                          registry.fingerprint(registry.by_name("LAST_MOD"))[PATH].absent,
+                          PATH in registry.by_name("LAST_MOD").requires]))
+    """).replace("PATH", repr(NEW_SYMBOL.path)).replace("LAST_MOD", LAST_MOD).replace("NEW", NEW).replace("LAST", LAST)
     got = json.loads(_run(tmp_path, ["-c", code], cwd=tmp_path).stdout.splitlines()[-1])
-    assert got == ["vllm_0_34_0", "vllm_0_33_0", True, False]  # derived absence; vllm_0_33_0 itself unchanged
+    assert got == [NEW_MOD, LAST_MOD, True, False]  # derived absence; the older adapter itself unchanged
 
-    # doctor on an installation of vLLM 0.34.0
+    # doctor on an installation of the new release
     installed = tmp_path / "installed"
-    _fake_release(installed, "0.34.0")
+    _fake_release(installed, NEW)
     write_fake_speculators(installed, "0.4.0.1")
     proc = _run(tmp_path, ["-c", f"import sys; sys.prefix = {str(tmp_path)!r}; from speccompat.cli import main; "
                            "sys.exit(main(['doctor', '--json']))"], path=[installed], cwd=tmp_path)
     report = json.loads(proc.stdout)
     assert proc.returncode == 3 and report["verdict"].startswith("static only")
-    assert report["status"]["adapter"] == "vllm_0_34_0" and report["status"]["state"] == "active"
-    assert report["fingerprints"]["vllm_0_34_0"] == [] and report["fingerprints"]["vllm_0_33_0"]
+    assert report["status"]["adapter"] == NEW_MOD and report["status"]["state"] == "active"
+    assert report["fingerprints"][NEW_MOD] == [] and report["fingerprints"][LAST_MOD]
 
     # the nox sessions
     code = "import runpy, json, nox; runpy.run_path('noxfile.py'); print(json.dumps(nox.SESSIONS))"
     sessions = json.loads(_run(tmp_path, ["-c", code], cwd=repo).stdout.splitlines()[-1])
-    assert {f"static(0.34.0, speculators {s})" for s in evidence["speculators"]} <= set(sessions)
+    assert {f"static({NEW}, speculators {s})" for s in evidence["speculators"]} <= set(sessions)
 
     # nothing else changed: only the new module, its evidence and the files generated from it
     after = {p.relative_to(repo): p.read_bytes() for p in repo.rglob("*") if p.is_file()
@@ -188,6 +197,6 @@ def test_a_new_release_needs_one_adapter_module_and_its_evidence(tmp_path):
     changed = {str(p) for p in after.keys() | before.keys() if before.get(p) != after.get(p)}
     changed.discard("speccompat/compat_matrix.yaml")  # the packaged copy is the root file (a link)
     # a new adapter is new capture code: its record changes, and the runs of older code are stale
-    assert changed == {"adapters/vllm_0_34_0.py", "evidence/static/releases.json", "compat_matrix.yaml", "README.md",
+    assert changed == {f"adapters/{NEW_MOD}.py", "evidence/static/releases.json", "compat_matrix.yaml", "README.md",
                        "evidence/hot_path.json"}
     assert filecmp.cmp(repo / "noxfile.py", REPO / "noxfile.py", shallow=False)
