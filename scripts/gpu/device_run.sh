@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Device side of the GPU evidence run (runs on the GPU machine, from a copy of the repository).
 #   device_run.sh install            install the staged vLLM, speccompat and speculators under /tmp
-#   device_run.sh test RUNNER [TP]   engine parity + silent-bug suites; RUNNER is v1 or v2 (default)
+#   device_run.sh test RUNNER [TP]   engine parity + silent-bug suites; RUNNER is v2 (default) or v1 (vLLM <= 0.33)
 #   device_run.sh kimi RUNNER [TP]   Kimi-K2.5 parity: kimi_k25 (bf16) and kimi_k25 with INT4 experts,
 #                                    the thresholds' planted-bug checks, and vLLM's parse of the INT4 config
-#   device_run.sh join [DIR]         join wheels staged in parts (install does it)
 #   device_run.sh reset              forget the staged and installed release, so that another one can be
 #                                    staged and installed on the same machine (its stage calls come next)
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
@@ -20,13 +19,14 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site VLLM_WORKER_MULTIPROC_METHOD=spawn
 if [ -d /tmp/nocudnn ]; then export PYTHONPATH=/tmp/nocudnn:/tmp/site SPECCOMPAT_NO_CUDNN=1; fi
 export SPECCOMPAT_ENV_FILE=/tmp/speccompat-env.json
+# FlashInfer's top-k/top-p sampler is JIT-compiled on a fresh machine's first engine start (minutes,
+# no network to fetch its kernels); prefill runs greedy, and hidden states never pass the sampler.
+export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 case "${1:-}" in
   install)
-    # Wheels staged in parts (torch and what it needs, when vLLM pins a newer torch than the image's):
-    # join and check them; device.sh then installs them with the rest.
-    if [ -s /tmp/stage/BIG_MANIFEST ]; then
-      bash "$0" join /tmp/stage
+    bash scripts/gpu/device.sh install
+    if grep -q '^torch-' /tmp/stage/WHEELS; then
       # The image's torchvision/torchaudio are built for its own torch and break transformers under
       # the staged one ("operator torchvision::nms does not exist"): move them out of its site-packages
       # (the machine is thrown away after the run); torchvision for the staged torch is installed instead.
@@ -34,32 +34,40 @@ case "${1:-}" in
         d=$(env -u PYTHONPATH python3 -c "import importlib.util as u, os; s = u.find_spec('$m'); print(os.path.dirname(s.origin) if s else '')")
         if [ -n "$d" ]; then mkdir -p /tmp/aside && mv "$d" /tmp/aside/ && echo "moved aside $d"; fi
       done
+      # Without cuDNN staged, the image's cuDNN (9.19) is older than the one torch >= 2.13 was built
+      # against: engines run with cuDNN off (it only serves a vision tower's patch convolution, which
+      # text-only prompts reach in vLLM's profiling run alone). sitecustomize reads SPECCOMPAT_NO_CUDNN.
+      if ! grep -q '^nvidia_cudnn' /tmp/stage/WHEELS; then
+        mkdir -p /tmp/nocudnn
+        printf 'import os\nif os.environ.get("SPECCOMPAT_NO_CUDNN") == "1":\n    import torch\n    torch.backends.cudnn.enabled = False\n' \
+          > /tmp/nocudnn/sitecustomize.py
+        echo "cuDNN not staged: engines run with torch.backends.cudnn.enabled = False"
+      fi
     fi
-    bash .gpu-stage/device.sh install
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . 2>&1 | tail -2
-    for w in .gpu-stage/spec/speculators-*.whl; do
-      s=$(basename "$w" | cut -d- -f2)
-      python3 -m pip install -q --no-index --no-deps --target "/tmp/spec-$s" "$w"
-    done
-    # Without cuDNN staged, the image's cuDNN (9.19) is older than the one torch >= 2.13 was built
-    # against: engines run with cuDNN off (it only serves a vision tower's patch convolution, which
-    # text-only prompts reach in vLLM's profiling run alone). sitecustomize reads SPECCOMPAT_NO_CUDNN.
-    if [ -s /tmp/stage/BIG_MANIFEST ] && ! grep -q nvidia_cudnn /tmp/stage/BIG_MANIFEST; then
-      mkdir -p /tmp/nocudnn
-      printf 'import os\nif os.environ.get("SPECCOMPAT_NO_CUDNN") == "1":\n    import torch\n    torch.backends.cudnn.enabled = False\n' \
-        > /tmp/nocudnn/sitecustomize.py
-      echo "cuDNN not staged: engines run with torch.backends.cudnn.enabled = False"
-    fi
     V=$(python3 -c "import importlib.metadata as m; print(m.version('vllm'))")
-    printf '{"vllm": "%s", "vllm_dist": "vllm", "speculators": {"0.3.0": "/tmp/spec-0.3.0", "0.4.0.1": "/tmp/spec-0.4.0.1"}, "python": "%s"}\n' \
-      "$V" "$(command -v python3)" > /tmp/speccompat-env.json
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    python3 -c "import json, sys, glob, os
+spec = {os.path.basename(d)[len('spec-'):]: d for d in sorted(glob.glob('/tmp/spec-*'))}
+json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'python': sys.argv[2]}, open('/tmp/speccompat-env.json', 'w'))" \
+      "$V" "$(command -v python3)"
+    cat /tmp/speccompat-env.json; echo
+    cat /tmp/stage/STAGED 2>/dev/null | tee "$OUT/gpu.txt"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/gpu.txt"
     python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" | tee -a "$OUT/gpu.txt"
     ;;
   test)
     RUNNER="${2:-v2}"; TP="${3:-1}"
-    if [ "$RUNNER" = v1 ]; then export VLLM_USE_V2_MODEL_RUNNER=0; else unset VLLM_USE_V2_MODEL_RUNNER; fi
     V=$(python3 -c "import json; print(json.load(open('/tmp/speccompat-env.json'))['vllm'])")
+    if [ "$RUNNER" = v1 ]; then
+      # vLLM 0.34.0 removed the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 raises in EngineArgs)
+      if python3 -c "import sys; from packaging.version import Version as W; sys.exit(W('$V') >= W('0.34.0'))"; then
+        export VLLM_USE_V2_MODEL_RUNNER=0
+      else
+        echo "vLLM $V has no V1 model runner (removed in 0.34.0): run 'test v2'"; exit 2
+      fi
+    else
+      unset VLLM_USE_V2_MODEL_RUNNER
+    fi
     N="$RUNNER-tp$TP${OUT_NAME:+-$OUT_NAME}"
     export SPECCOMPAT_EVIDENCE_OUT="$OUT/vllm-$V-tp$TP-$RUNNER${OUT_NAME:+-$OUT_NAME}.json" SPECCOMPAT_TEST_TP="$TP" SPECCOMPAT_TEST_RUNNER="$RUNNER"
     BT="/tmp/pytest-$N"
@@ -77,15 +85,6 @@ case "${1:-}" in
     # brings the ones built for its torch)
     rm -rf /tmp/stage /tmp/site /tmp/spec-* /tmp/nocudnn /tmp/speccompat-env.json /tmp/pytest-*
     echo "reset: no release staged or installed"
-    ;;
-  join)   # join the wheels staged in parts under DIR (default /tmp/stage) and check their hashes
-    D="${2:-/tmp/stage}"
-    while read -r name sha; do
-      cat "$D/$name".part* > "$D/$name" && rm -f "$D/$name".part*
-      got=$(sha256sum "$D/$name" | cut -c1-64)
-      [ "$got" = "$sha" ] || { echo "$name: hash mismatch, a unit is missing ($got != $sha)"; exit 3; }
-      echo "joined $name"
-    done < "$D/BIG_MANIFEST"
     ;;
   kimi)
     RUNNER="${2:-v2}"; TP="${3:-1}"
@@ -119,5 +118,5 @@ open('/tmp/ckpt-8b.done', 'w').close()" > /tmp/ckpt-8b.log 2>&1 < /dev/null &
       --out "$OUT/disk-gpu-h200-fresh.json" > /dev/null
     ls -la "$OUT"
     ;;
-  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | reset | join [DIR] | ckpt8b | bench | writer-disk"; exit 2 ;;
+  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | reset | ckpt8b | bench | writer-disk"; exit 2 ;;
 esac

@@ -1,115 +1,150 @@
 #!/usr/bin/env bash
-# Prepare a CUDA vLLM release + speculators for an offline GPU machine (no network there, 64 MiB per
-# call). Run here:   scripts/gpu/stage.sh 0.32.0
-# then, back to back on the device (see docs/gpu.md): one `stage unitK ...` call per line of
-# .gpu-stage/CALLS (the units that fit in one call), then `scripts/gpu/device_run.sh install` and the test/bench modes.
+# Prepare a CUDA vLLM release + speculators for an offline GPU machine (no network there, at most
+# 64 MiB per call). Run here, from a checkout or a plain copy of the repository (git is not needed):
+#   scripts/gpu/stage.sh 0.34.0
+# then, back to back on the device (docs/gpu.md): one `bash scripts/gpu/device.sh stage UNIT...`
+# call per line of .gpu-stage/CALLS, carrying those units, then `scripts/gpu/device_run.sh install`.
 #
-# The device image has Python 3.12 and torch 2.11.0+cu130 (transformers 5.17.0, cuDNN 9.19). vLLM
-# 0.20.0-0.26.0 pin torch 2.11.0 and need only the vLLM wheel and the deps the image lacks. Later
-# releases pin a newer torch (0.27.0-0.32.0: 2.13.0, 0.33.0: 2.14.0); for those this also stages,
-# as wheels split into parts of <= 56 MiB, the torch wheel and what that torch needs at versions
-# the image does not have: triton, NCCL, cuDNN (vision towers run convolutions through it),
-# torchvision built for it (vLLM's GPU warm-up imports it), and transformers when vLLM's
-# requirement excludes the image's. Each is read from the wheels' metadata, nothing is guessed.
-#   STAGE_CUDNN=0   leave cuDNN out (text-only models never call it; saves ~13 units)
+# The device image has Python 3.12, torch 2.11.0+cu130, transformers 5.17.0 and cuDNN 9.19
+# (scripts/gpu/image-packages.txt lists its packages). Staged, read from the wheels' own metadata:
+# the vLLM wheel and the runtime requirements the image lacks; flashinfer-python at vLLM's pin (or,
+# where the index lacks that release, the next patch release of the same minor, said aloud); when
+# vLLM pins another torch than the image's, that torch and what it needs at versions the image lacks
+# (triton, NCCL, cuDNN, torchvision built for it) and transformers where vLLM excludes the image's;
+# the speculators wheels 0.3.0, 0.4.0 and 0.4.0.1.
+#
+# Every wheel larger than a unit travels in parts; .gpu-stage/WHEELS names each wheel and its
+# SHA-256, and device.sh joins and checks them. A unit holds at most what fits one call beside the
+# checkout that travels with it (measured here), so that no call goes over 64 MiB.
+#   STAGE_CUDNN=0         leave cuDNN out (text-only models never call it; saves ~13 units)
+#   STAGE_FLASHINFER=X    stage flashinfer-python X instead of vLLM's pin
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-V="${1:-0.24.0}"
+V="${1:?usage: scripts/gpu/stage.sh VLLM_VERSION}"
 DEST=.gpu-stage
+IMAGE_PACKAGES=scripts/gpu/image-packages.txt
 IMAGE_TORCH=2.11.0
 IMAGE_TRANSFORMERS=5.17.0
 IMAGE_CUDNN=9.19
-PART=56m
-# .gpu-stage/ is in .gitignore: it never travels with the checkout, only as a carried unit.
-git check-ignore -q "$DEST/" || { echo "$DEST/ must be ignored by git (see .gitignore)"; exit 2; }
-# vLLM's wheel and the runtime deps the device image lacks (shared tool), plus what
-# `import speculators` needs that vLLM does not bring.
-../shared/tools/gpu-stage/prepare.sh "$V" "$DEST" loguru pydantic-settings python-dotenv
-# torchcodec and pynvvideocodec (video decoding) are built for vLLM's torch and are not needed for
-# text and image prompts: leave them out (a unit saved, no mismatched extension on the device).
-rm -f "$DEST"/unit*/torchcodec-*.whl "$DEST"/unit*/pynvvideocodec-*.whl
-find "$DEST" -maxdepth 1 -name 'unit*' -type d -empty -delete
-# speculators versions go to their own unit: each is installed into its own folder on the device.
-rm -rf "$DEST/spec" "$DEST/big" && mkdir -p "$DEST/spec"
-for s in 0.3.0 0.4.0.1; do
-  pip download -q --no-deps -d "$DEST/spec" "speculators==$s"
-done
+SPECULATORS=(0.3.0 0.4.0 0.4.0.1)
+MIB=1048576
+CALL_LIMIT=$((63 * MIB))  # what one call may carry, with a MiB to spare under the 64 MiB limit
+
+# What travels with every call: the tracked and untracked-but-not-ignored files (git), or, in a copy
+# without git metadata, every file outside the folders that .gitignore keeps out.
+checkout_bytes() {
+  if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+    { git ls-files -z; git ls-files -z --others --exclude-standard; } | xargs -0 -r stat -c %s 2> /dev/null
+  else
+    find . \( -name .git -o -name .envs -o -name '.gpu-stage*' -o -name .cache -o -name .nox -o -name __pycache__ \
+      -o -name '*.egg-info' -o -path ./build -o -path ./dist -o -name .pytest_cache \) -prune -o -type f -printf '%s\n'
+  fi | awk '{ s += $1 } END { print s + 0 }'
+}
+if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+  git check-ignore -q "$DEST/" || { echo "$DEST/ must be ignored by git (see .gitignore)"; exit 2; }
+fi
+checkout=$(checkout_bytes)
+UNIT=$(( CALL_LIMIT - checkout ))
+(( UNIT > 8 * MIB )) || { echo "the checkout ($((checkout / MIB)) MiB) leaves no room for a unit in a 64 MiB call"; exit 2; }
+(( UNIT > 56 * MIB )) && UNIT=$((56 * MIB))
 
 plat() {  # pip platform flags for CPython 3.12 on x86_64, manylinux tags from $1 down
   local out=(--only-binary=:all: --python-version 3.12 --implementation cp) seen=0
   for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 \
-           manylinux_2_24 manylinux_2_18 manylinux_2_17 manylinux2014; do
+           manylinux_2_24 manylinux_2_18 manylinux_2_17 manylinux2014 manylinux1; do
     [[ $p == "$1" ]] && seen=1
     (( seen )) && out+=(--platform "${p}_x86_64")
   done
   echo "${out[@]}"
 }
 meta() { unzip -p "$1" '*.dist-info/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' || true; }
-pin() { meta "$1" | sed -n "s/^$2 *(\?==\([^ ;,)]*\).*/\1/p" | head -1; }  # exact pin of $2 in wheel $1 ("x==1" or "x (==1)")
+pin() { meta "$1" | sed -n "s/^$2 *(\?==\([^ ;,)]*\).*/\1/p" | head -1; }  # exact pin of $2 in wheel $1
 spec() { meta "$1" | sed -n "s/^$2 *(\?\([<>=!~][^;)]*\).*/\1/p" | head -1 | tr -d ' '; }  # "==3.7.1", "~=3.8.0"
+name_of() { basename "$1" | cut -d- -f1 | tr 'A-Z_.' 'a-z--'; }
+in_image() { grep -qxiF "$1" "$IMAGE_PACKAGES"; }
 
-vllm_whl=$(head -1 "$DEST/MANIFEST" | cut -d' ' -f3)
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/w"
 pip download -q --no-deps -d "$work/v" $(plat manylinux_2_39) "vllm==$V"
-vw="$work/v/$vllm_whl"
+vw=$(ls "$work"/v/vllm-*.whl)
+cp "$vw" "$work/w/"
+
+# vLLM's runtime requirements the image lacks (video decoding left out: text and image prompts only)
+meta "$vw" | grep -viE "^($(paste -sd'|' "$IMAGE_PACKAGES")|torchcodec|pynvvideocodec)([ <>=!~;\[(]|$)" > "$work/req.txt" || true
+pip download -q -d "$work/deps" $(plat manylinux_2_39) -r "$work/req.txt"
+pip download -q --no-deps -d "$work/deps" $(plat manylinux_2_39) loguru pydantic-settings python-dotenv
+for f in "$work"/deps/*.whl; do  # transitive wheels the image already has (torch, nvidia-*, numpy, ...)
+  n=$(name_of "$f")
+  if in_image "$n" || [[ $n == nvidia-* || $n == torchcodec || $n == pynvvideocodec ]]; then rm -f "$f"; else mv "$f" "$work/w/"; fi
+done
+
+# flashinfer-python (pure Python, JIT; imported by the sampler): vLLM's pin where the index has it
+fi_pin=$(pin "$vw" flashinfer-python)
+fi_ver=${STAGE_FLASHINFER:-$fi_pin}
+if [[ -n $fi_ver ]] && ! pip download -q --no-deps -d "$work/w" $(plat manylinux_2_39) "flashinfer-python==$fi_ver" 2> /dev/null; then
+  [[ -z ${STAGE_FLASHINFER:-} ]] || { echo "flashinfer-python $fi_ver is not on the index"; exit 3; }
+  # The index lacks the pinned release: take the next patch release of the same minor.
+  series=${fi_pin%.*}
+  fi_ver=$(pip index versions flashinfer-python 2> /dev/null | sed -n 's/^Available versions: //p' | tr -d ' ' | tr ',' '\n' \
+    | python3 -c "import sys; from packaging.version import Version as V
+pin, series = V('$fi_pin'), '$series'
+ok = sorted(V(v) for v in sys.stdin.read().split() if v.startswith(series + '.') and V(v) > pin and not V(v).is_prerelease)
+print(ok[0] if ok else '')")
+  [[ -n $fi_ver ]] || { echo "vLLM $V pins flashinfer-python==$fi_pin, which the index lacks, and no later $series.x exists: set STAGE_FLASHINFER"; exit 3; }
+  echo "NOTE: vLLM $V pins flashinfer-python==$fi_pin, which the index lacks; staging $fi_ver (set STAGE_FLASHINFER to choose)"
+  pip download -q --no-deps -d "$work/w" $(plat manylinux_2_39) "flashinfer-python==$fi_ver"
+fi
+
 torch_pin=$(pin "$vw" torch)
-big=()  # wheels to stage in parts
 if [[ -n $torch_pin && $torch_pin != "$IMAGE_TORCH" ]]; then
-  pip download -q --no-deps -d "$work/b" $(plat manylinux_2_28) "torch==$torch_pin"
-  tw=$(ls "$work"/b/torch-*.whl)
-  # torch 2.13 pins triton==3.7.1, torch 2.14 triton~=3.8.0: take the requirement as written
+  pip download -q --no-deps -d "$work/t" $(plat manylinux_2_28) "torch==$torch_pin"
+  tw=$(ls "$work"/t/torch-*.whl); mv "$tw" "$work/w/"; tw="$work/w/$(basename "$tw")"
   triton=$(spec "$tw" triton); nccl=$(spec "$tw" nvidia-nccl-cu13); cudnn=$(pin "$tw" nvidia-cudnn-cu13)
   [[ -n $triton ]] || { echo "torch $torch_pin: no triton requirement found in its metadata"; exit 3; }
-  pip download -q --no-deps -d "$work/b" $(plat manylinux_2_28) "triton$triton"
+  pip download -q --no-deps -d "$work/w" $(plat manylinux_2_28) "triton$triton"
   # NCCL's wheel is tagged manylinux_2_18: ask pip for that platform explicitly.
-  [[ -n $nccl ]] && pip download -q --no-deps -d "$work/b" $(plat manylinux_2_18) "nvidia-nccl-cu13$nccl"
+  [[ -n $nccl ]] && pip download -q --no-deps -d "$work/w" $(plat manylinux_2_18) "nvidia-nccl-cu13$nccl"
   if [[ -n $cudnn && ${cudnn%.*.*} != "$IMAGE_CUDNN" && ${STAGE_CUDNN:-1} != 0 ]]; then
-    pip download -q --no-deps -d "$work/b" $(plat manylinux_2_27) "nvidia-cudnn-cu13==$cudnn"
+    pip download -q --no-deps -d "$work/w" $(plat manylinux_2_27) "nvidia-cudnn-cu13==$cudnn"
   fi
   # torchvision built for this torch: release 0.(minor+15) pins torch 2.minor exactly (checked)
   t="0.$(( $(cut -d. -f2 <<< "$torch_pin") + 15 )).0"
-  pip download -q --no-deps -d "$work/b" $(plat manylinux_2_28) "torchvision==$t"
-  [[ $(pin "$(ls "$work"/b/torchvision-*.whl)" torch) == "$torch_pin" ]] || { echo "torchvision $t does not pin torch==$torch_pin"; exit 3; }
+  pip download -q --no-deps -d "$work/w" $(plat manylinux_2_28) "torchvision==$t"
+  [[ $(pin "$(ls "$work"/w/torchvision-*.whl)" torch) == "$torch_pin" ]] || { echo "torchvision $t does not pin torch==$torch_pin"; exit 3; }
 fi
-# transformers: staged when vLLM's requirement excludes the image's version
 treq=$(meta "$vw" | sed -n 's/^transformers\( *[<>=!~][^;]*\)\?.*/\1/p' | head -1 | tr -d ' ')
 if [[ -n $treq ]] && ! python3 -c "import sys; from packaging.specifiers import SpecifierSet as S; sys.exit(0 if '$IMAGE_TRANSFORMERS' in S('$treq') else 1)"; then
-  pip download -q --no-deps -d "$work/b" "transformers$treq"
+  pip download -q --no-deps -d "$work/w" "transformers$treq"
 fi
+for s in "${SPECULATORS[@]}"; do pip download -q --no-deps -d "$work/w" "speculators==$s"; done
 
-# Pack: each wheel over the unit size is split into parts, the rest fill units of <= 56 MiB.
-u=$(( $(ls -d "$DEST"/unit* | sed 's/.*unit//' | sort -n | tail -1) + 1 ))
-size=$((56*1024*1024)); fill=$size
-: > "$DEST/BIG_MANIFEST"
-for f in "$work"/b/*.whl; do
-  [[ -f $f ]] || continue
-  n=$(basename "$f")
-  echo "$n $(sha256sum "$f" | cut -c1-64)" >> "$DEST/BIG_MANIFEST"
-  if (( $(stat -c %s "$f") > size )); then
-    split -b "$PART" -d -a 2 "$f" "$work/$n.part"
-    for p in "$work/$n".part*; do mkdir -p "$DEST/unit$u"; mv "$p" "$DEST/unit$u/"; u=$((u+1)); done
+# Pack: a wheel over the unit size is split into parts of one unit each; the others fill units.
+rm -rf "$DEST"; mkdir -p "$DEST"
+: > "$DEST/WHEELS"
+u=0; fill=$UNIT; cur=-1
+for f in $(ls -S "$work"/w/*.whl); do
+  n=$(basename "$f"); s=$(stat -c %s "$f")
+  echo "$n $(sha256sum "$f" | cut -c1-64)" >> "$DEST/WHEELS"
+  if (( s > UNIT )); then
+    split -b "$UNIT" -d -a 2 "$f" "$work/$n.part"
+    for p in "$work/$n".part*; do mkdir -p "$DEST/unit$u"; mv "$p" "$DEST/unit$u/"; u=$((u + 1)); done
   else
-    s=$(stat -c %s "$f")
-    if (( fill + s > size )); then mkdir -p "$DEST/unit$u"; cur=$u; u=$((u+1)); fill=0; fi
-    mv "$f" "$DEST/unit$cur/$n.part00"; fill=$((fill + s))
+    if (( fill + s > UNIT )); then mkdir -p "$DEST/unit$u"; cur=$u; u=$((u + 1)); fill=0; fi
+    mv "$f" "$DEST/unit$cur/$n"; fill=$((fill + s))
   fi
 done
-# the big-wheel manifest travels in unit0 (carried first)
-cp "$DEST/BIG_MANIFEST" "$DEST/unit0/BIG_MANIFEST"
+cp "$DEST/WHEELS" "$DEST/unit0/WHEELS"  # travels with the first unit
+{ echo "vllm $V"; echo "flashinfer-python ${fi_ver:-none} (vLLM pins ${fi_pin:-none})"; echo "torch ${torch_pin:-image}"; } > "$DEST/unit0/STAGED"
+cp "$DEST/unit0/STAGED" "$DEST/STAGED"
 ls -d "$DEST"/unit* | xargs -n1 basename | sort -V > "$DEST/UNITS"
-echo "vLLM $V pins torch ${torch_pin:-?} (image: $IMAGE_TORCH); staged in parts:"; cut -d' ' -f1 "$DEST/BIG_MANIFEST"
-# sizes of what each unit carries (files only); a call carries the checkout too, 64 MiB in all
-checkout=$(git ls-files -z | xargs -0 stat -c %s | awk '{ s += $1 } END { print s }')
-for d in $(sed "s|^|$DEST/|" "$DEST/UNITS") "$DEST/spec"; do
-  printf '%s %s\n' "$(find "$d" -type f -printf '%s\n' | awk '{ s += $1 } END { print s }')" "$d"
-done | awk -v c="$checkout" '{ printf "%-22s %6.2f MiB%s\n", $2, $1/1048576, ($1 + c > 64*1048576 ? "  OVER THE 64 MiB CALL LIMIT WITH THE CHECKOUT" : "") }'
-echo "checkout: $(awk -v c="$checkout" 'BEGIN { printf "%.2f", c/1048576 }') MiB"
-# Calls: units packed first-fit (largest first) into calls of <= 63 MiB with the checkout, at most 7
-# units a call (carry takes 8 paths; device.sh is one): one line of .gpu-stage/CALLS per call.
-for u in $(cat "$DEST/UNITS"); do echo "$(find "$DEST/$u" -type f -printf '%s\n' | awk '{ s += $1 } END { print s }') $u"; done \
-  | sort -rn | awk -v room=$(( 63*1048576 - checkout )) '
-      { for (i = 1; i <= n; i++) if (used[i] + $1 <= room && count[i] < 7) break
+# Calls: units packed first-fit (largest first) into calls of <= 63 MiB with the checkout, at most 8
+# units a call (carry takes 8 paths).
+for un in $(cat "$DEST/UNITS"); do echo "$(find "$DEST/$un" -type f -printf '%s\n' | awk '{ s += $1 } END { print s }') $un"; done \
+  | sort -rn | awk -v room=$(( CALL_LIMIT - checkout )) '
+      { for (i = 1; i <= n; i++) if (used[i] + $1 <= room && count[i] < 8) break
         if (i > n) { n = i; used[i] = 0; count[i] = 0 }
         used[i] += $1; count[i]++; calls[i] = calls[i] " " $2 }
       END { for (i = 1; i <= n; i++) print substr(calls[i], 2) }' > "$DEST/CALLS"
-echo "units: $(wc -l < "$DEST/UNITS") in $(wc -l < "$DEST/CALLS") back-to-back calls (.gpu-stage/CALLS: the units of each call)"
+cat "$DEST/STAGED"
+echo "wheels: $(wc -l < "$DEST/WHEELS"); checkout $(awk -v c="$checkout" 'BEGIN { printf "%.2f", c / 1048576 }') MiB;" \
+     "units of <= $(( UNIT / MIB )) MiB: $(wc -l < "$DEST/UNITS") in $(wc -l < "$DEST/CALLS") back-to-back calls ($DEST/CALLS)"
