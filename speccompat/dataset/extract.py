@@ -397,6 +397,36 @@ def stream_results(gen: Any, todo: list[Any], budget_tokens: int) -> Any:
             start += read[0]
 
 
+def kv_cache_tokens(gen: Any) -> int | None:
+    """Tokens the started engine's KV cache holds (its blocks times the block size), where the
+    scheduler says so plainly (one KV cache group); None where it cannot be told."""
+    sched = getattr(gen, "scheduler", None)
+    config = getattr(sched, "kv_cache_config", None)
+    blocks = getattr(config, "num_blocks", None)
+    groups = getattr(config, "kv_cache_groups", None)
+    block = getattr(sched, "block_size", None) or getattr(getattr(sched, "cache_config", None), "block_size", None)
+    if not (type(blocks) is int and type(block) is int and blocks > 0 and block > 0):
+        return None
+    try:
+        if len(groups) != 1:  # several attention types share the blocks: no plain rule here
+            return None
+    except TypeError:
+        return None
+    return blocks * block
+
+
+def kv_cache_problem(gen: Any, todo: list[Any]) -> str | None:
+    """Why the started engine cannot run the longest sample of ``todo`` at all (its KV cache holds
+    fewer tokens), before any sample runs; None when it can or when the cache cannot be told."""
+    capacity = kv_cache_tokens(gen)
+    longest = max((s.num_tokens for s in todo), default=0)
+    if capacity is None or longest <= capacity:
+        return None
+    over = sum(s.num_tokens > capacity for s in todo)
+    return (f"the engine's KV cache holds {capacity} tokens, fewer than the longest sample ({longest} tokens; "
+            f"{over} of the {len(todo)} samples to extract are longer): the KV cache is too small for them")
+
+
 def generate_one(gen: Any, sample: Any) -> Any:
     """One sample's states through ``generate()``, or the exception that failed it: a rejected
     sample, or a call with steps whose token ids could not be verified (``unverified_steps``). A KV
@@ -491,6 +521,16 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
     failed: list[str] = []
     tokens = written = done = 0
     code = EXIT_OK
+    too_long = kv_cache_problem(gen, ds.todo)
+    if too_long is not None:  # before any sample runs: a setting, not a failure of the samples
+        stop_generator(gen)
+        logger.error("%s. This is a setting, not a transient failure: re-running the same command fails the same "
+                     "way. Raise --gpu-memory-utilization (now %s), or lower --max-seq-len (now %d); nothing was "
+                     "extracted by this run, finished samples are kept", too_long, args.gpu_memory_utilization,
+                     args.max_seq_len)
+        logger.info("summary: 0 written, %d already done (skipped), %d failed (not extracted: the KV cache is too "
+                    "small); engine start %.1f s", ds.done, len(ds.todo), engine_s)
+        return EXIT_FAILED
     writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9))
     loop_start = last_log = time.monotonic()
     bar = _progress_bar(args, ds.todo)
@@ -537,6 +577,8 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
         stats = writer.close(raise_error=False)
         stop_generator(gen)
     loop_s = max(time.monotonic() - loop_start, 1e-9)
+    for sample, why in writer.failed:
+        failed.append(f"line {sample.line} id {sample.id!r}: {why}")
     if code == EXIT_OK and shard.num_shards > 1:
         logger.info("shard %d of %d done; when every shard is: speccompat merge %s --inputs %s", shard.index,
                     shard.num_shards, args.output_dir, args.prepared_data)
@@ -546,13 +588,21 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
         except OSError as exc:
             logger.error("cannot write the data set's side files in %s: %s; re-run to finish", args.output_dir, exc)
             code = EXIT_FAILED
-    logger.info("summary: %d written, %d already done (skipped), %d failed; %d tokens in %.1f s (engine start "
-                "%.1f s, extraction %.1f s: %.0f tokens/s); %s written to %s (engine waited %.2f s for the writer)",
-                stats.files, ds.done, len(failed), tokens, time.monotonic() - started, engine_s, loop_s,
-                tokens / loop_s, human(stats.bytes), args.output_dir, stats.waited_s)
+    # every sample of this run without its file now failed: those the engine or the writer rejected,
+    # and those a stop (the writer, the engine, the KV cache, Ctrl-C) left unextracted
+    unfinished = max(0, len(ds.todo) - stats.files)
+    stopped = max(0, unfinished - len(failed))
+    logger.info("summary: %d written, %d already done (skipped), %d failed (%d rejected by the engine or the writer, "
+                "%d not extracted: the run stopped); %d tokens in %.1f s (engine start %.1f s, extraction %.1f s: "
+                "%.0f tokens/s); %s written to %s (engine waited %.2f s for the writer)",
+                stats.files, ds.done, unfinished, len(failed), stopped, tokens, time.monotonic() - started, engine_s,
+                loop_s, tokens / loop_s, human(stats.bytes), args.output_dir, stats.waited_s)
     if failed:
-        logger.error("%d sample(s) failed; re-run the same command to retry them", len(failed))
-        return EXIT_FAILED
+        for line in failed[:20]:
+            logger.error("failed: %s", line)
+        logger.error("%d sample(s) failed; the others are written. Re-run the same command to retry them (a sample "
+                     "the writer could not store fails the same way: fix or drop its input line)", len(failed))
+        return EXIT_FAILED if code == EXIT_OK else code
     if code == EXIT_OK:
         print(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
     return code

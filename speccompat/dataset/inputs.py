@@ -5,9 +5,10 @@ kept with its line number: not UTF-8, bad JSON (also integers too long to conver
 a bad ``id`` (missing, empty, not a string or integer, a boolean), ``input_ids`` that are not a
 non-empty list of integers in the vocabulary (floats and booleans are not token ids), a
 ``loss_mask`` that is not a list of 0/1 integers of the same length, an id seen before (``1`` and
-``"1"`` are the same id). Token ids are checked by the generator's own
-:func:`speccompat.generator.normalize_token_ids`, so the driver accepts exactly what
-``generate()`` accepts.
+``"1"`` are the same id), an id the data set cannot store (one holding a lone UTF-16 surrogate such
+as ``"\\ud800"``, valid JSON that has no UTF-8 form; one longer than :data:`MAX_ID_BYTES`).
+Token ids are checked by the generator's own :func:`speccompat.generator.normalize_token_ids`, so
+the driver accepts exactly what ``generate()`` accepts.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from typing import Any
 
 from .errors import Rejected
 
-__all__ = ["BadLine", "InputScan", "Problem", "Sample", "input_digest", "parse_line", "report_scan", "scan_jsonl"]
+__all__ = ["MAX_ID_BYTES", "BadLine", "InputScan", "Problem", "Sample", "id_problem", "input_digest", "parse_line",
+           "report_scan", "scan_jsonl"]
 
 logger = logging.getLogger("speccompat.dataset")
 
 #: At most this many problems are logged one by one.
 MAX_REPORTED = 100
+#: The longest id (UTF-8 bytes) a data set stores: it is in every file's header and manifest line.
+MAX_ID_BYTES = 4096
 
 
 class BadLine(ValueError):
@@ -55,13 +59,21 @@ class Sample:
 
 
 def input_digest(input_ids: Any, loss_mask: Any) -> str:
+    """SHA-256 of token ids (int64) and a 0/1 loss mask (int8), or of their text where a value does
+    not fit those types (read from a damaged file: it then matches no input's digest; never raises)."""
     h = hashlib.sha256(b"input_ids:q:")
-    h.update(array("q", input_ids).tobytes())
+    try:
+        h.update(array("q", input_ids).tobytes())
+    except (OverflowError, TypeError):
+        h.update(b"!" + repr(list(input_ids)).encode())
     if loss_mask is None:
         h.update(b"|loss_mask:none")
     else:
         h.update(b"|loss_mask:b:")
-        h.update(array("b", loss_mask).tobytes())
+        try:
+            h.update(array("b", loss_mask).tobytes())
+        except (OverflowError, TypeError):
+            h.update(b"!" + repr(list(loss_mask)).encode())
     return h.hexdigest()
 
 
@@ -109,6 +121,7 @@ def parse_line(raw: bytes, vocab_size: int) -> tuple[str, list[int], list[int] |
     sample_id = str(value)
     if not sample_id.strip():
         raise BadLine('"id" is empty')
+    id_problem(sample_id)
     ids = obj.get("input_ids")
     if not isinstance(ids, list):
         raise BadLine(f'"input_ids" must be a list of token ids, got {_describe(ids)}')
@@ -130,6 +143,19 @@ def parse_line(raw: bytes, vocab_size: int) -> tuple[str, list[int], list[int] |
     if bad is not None:
         raise BadLine(f'"loss_mask"[{bad}] = {mask[bad]!r} is not the integer 0 or 1')
     return sample_id, ids, mask
+
+
+def id_problem(sample_id: str) -> None:
+    """Raise :class:`BadLine` for an id the data set cannot store: the manifest, the file names and
+    every file's metadata hold its UTF-8 bytes."""
+    try:
+        raw = sample_id.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadLine(f'"id" {ascii(sample_id[:40])}{"..." if len(sample_id) > 40 else ""} holds a lone UTF-16 '
+                      f"surrogate ({ascii(sample_id[exc.start])} at character {exc.start}): it has no UTF-8 form "
+                      "and cannot be stored") from None
+    if len(raw) > MAX_ID_BYTES:
+        raise BadLine(f'"id" is {len(raw)} bytes long (UTF-8), more than the {MAX_ID_BYTES} a data set stores')
 
 
 def scan_jsonl(path: Path, *, vocab_size: int, max_seq_len: int, on_bad: str = "fail",

@@ -14,6 +14,11 @@ once. Hence a visible sample file is complete and has its manifest entry, whenev
 dies; a crash between the manifest append and the renames leaves entries without files, which a
 resume redoes.
 
+A sample the writer cannot store (a cast that overflows the stored dtype, an entry that cannot be
+encoded: anything but an I/O error) fails alone: its temporary file is removed, it is listed in
+:attr:`DatasetWriter.failed` with the reason, and the other samples are written and committed as
+usual, so one bad sample never stops a run (nor every re-run).
+
 A full disk (ENOSPC, EDQUOT) or another I/O error stops the writer: the failing file's temporary
 file is removed, files already written are still committed with their entries, and the next
 ``submit`` (or ``close``) raises :class:`NoSpace` / :class:`WriterFailed`. An error of the commit
@@ -102,6 +107,8 @@ class DatasetWriter:
         self.commit_lock = threading.Lock()  # the queue of batches and their progress
         self.committer = threading.Lock()  # held by the one thread committing (file I/O, no queue)
         self.error: BaseException | None = None
+        #: (sample, reason) of every sample that could not be stored (the others are written)
+        self.failed: list[tuple[Any, str]] = []
         self.stats = WriterStats()
         self.closed = False
 
@@ -160,6 +167,15 @@ class DatasetWriter:
                 tmp, entry = self._write(job)
                 with self.commit_lock:
                     batch.done.append((job, tmp, entry))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            if isinstance(exc, OSError):  # the disk: nothing more can be written
+                self._fail(exc)
+            else:  # this sample alone cannot be stored
+                why = f"{type(exc).__name__}: {exc}"
+                logger.error("id %r cannot be stored: %s (not written; the other samples are)",
+                             getattr(job.sample, "id", "?"), why)
+                with self.cond:
+                    self.failed.append((job.sample, why))
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
             self._fail(exc)
         finally:
@@ -187,6 +203,8 @@ class DatasetWriter:
         import torch
 
         t0 = time.perf_counter()
+        # the manifest must take the entry: a sample it cannot encode fails here, alone, not in the commit
+        entry_json({**job.entry, "file": job.file}).encode("utf-8")
         named = self.layout.tensors(job.sample, job.hidden_states, self.layer_ids, self.dtype)
         if self.check_cast:
             src = {h.dtype for h in job.hidden_states}
