@@ -1,20 +1,19 @@
-"""What identifying a checkpoint by its content costs (speccompat.dataset.provenance), CPU only.
+"""What identifying a checkpoint by its whole content costs (speccompat.dataset.provenance), CPU only.
 
-Writes one synthetic safetensors file of ``--tensors`` tensors and ``--gib`` GiB (random bytes),
-then times, on the same file:
+Writes a synthetic checkpoint of the Llama-3.1-8B shape (``--shape 8b``: 291 bfloat16 tensors in
+four ``model-0000K-of-00004.safetensors`` files, 16.06 GB; random bytes) into ``--dir``, then
+times :func:`speccompat.dataset.provenance.weights_identity` on it:
 
-- ``full``: SHA-256 of every byte (what a full content hash costs);
-- ``sampled``: :func:`speccompat.dataset.provenance.weights_identity` (the header plus the first,
-  middle and last 4 KiB of every tensor), the identity data sets store.
+- ``first``: the files' pages dropped from the page cache (``posix_fadvise(DONTNEED)`` after an
+  fsync) and an empty digest cache: every byte is read from the disk and hashed (XXH3-128 over
+  64 MiB segments on a pool of threads), once per ``--threads`` value;
+- ``cached``: the same files again with the digests cached (what a resume or a second run pays:
+  a stat and a small JSON file per weight file).
 
-Both are timed with the file in the page cache (the best case; a cold read adds the disk's
-sequential rate for ``full`` and its random-read rate for ``sampled``: ~3 reads per tensor).
-The extrapolation to a Kimi-K2.5-sized checkpoint uses ``--target-gb`` bytes and ``--target-tensors``
-tensors (default: ~600 GB; 61 layers, 60 of them MoE with 384 experts x 3 projections x 3 tensors
-(int4 weight, scale, shape) ~ 207k tensors, plus attention, shared experts and vision: 210k).
+The files are deleted at the end (``--keep`` keeps them).
 
-    python benchmarks/model_identity.py --dir /tmp/bench --gib 1 --tensors 20000 \
-        --out benchmarks/results/model-identity-cpu.json
+    python benchmarks/model_identity.py --dir /tmp/identity-bench --shape 8b \\
+        --out benchmarks/results/model-identity-8b-cpu.json
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -31,63 +32,123 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write  # noqa: E402
 
+from speccompat.dataset import contenthash  # noqa: E402
 from speccompat.dataset.provenance import IDENTITY_METHOD, weights_identity  # noqa: E402
-from speccompat.dataset.provenance import _sha256_file as sha256_full  # noqa: E402
 
 
-def make_file(path: Path, nbytes: int, tensors: int) -> None:
-    per = nbytes // tensors // 2 * 2
-    header = {f"t{i}": {"dtype": "BF16", "shape": [per // 2], "data_offsets": [i * per, (i + 1) * per]}
-              for i in range(tensors)}
+def llama_8b() -> list[tuple[str, list[int]]]:
+    """(name, shape) of Llama-3.1-8B's tensors (bfloat16)."""
+    hidden, inter, vocab, kv = 4096, 14336, 128256, 1024
+    out = [("model.embed_tokens.weight", [vocab, hidden])]
+    for i in range(32):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", [hidden, hidden]), (p + "self_attn.k_proj.weight", [kv, hidden]),
+                (p + "self_attn.v_proj.weight", [kv, hidden]), (p + "self_attn.o_proj.weight", [hidden, hidden]),
+                (p + "mlp.gate_proj.weight", [inter, hidden]), (p + "mlp.up_proj.weight", [inter, hidden]),
+                (p + "mlp.down_proj.weight", [hidden, inter]), (p + "input_layernorm.weight", [hidden]),
+                (p + "post_attention_layernorm.weight", [hidden])]
+    return [*out, ("model.norm.weight", [hidden]), ("lm_head.weight", [vocab, hidden])]
+
+
+def shards(tensors: list[tuple[str, list[int]]], n: int) -> list[list[tuple[str, list[int]]]]:
+    sizes = [2 * _numel(s) for _, s in tensors]
+    per = sum(sizes) / n
+    out: list[list[tuple[str, list[int]]]] = [[]]
+    acc = 0
+    for t, size in zip(tensors, sizes, strict=True):
+        if acc >= per * len(out) and len(out) < n:
+            out.append([])
+        out[-1].append(t)
+        acc += size
+    return out
+
+
+def _numel(shape: list[int]) -> int:
+    k = 1
+    for d in shape:
+        k *= d
+    return k
+
+
+def write_file(path: Path, tensors: list[tuple[str, list[int]]], block: bytes) -> int:
+    header, offset = {}, 0
+    for name, shape in tensors:
+        size = 2 * _numel(shape)
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
     raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little") + raw)
-        left = per * tensors
-        chunk = os.urandom(8 << 20)
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        left, k = offset, 0
         while left > 0:
-            f.write(chunk[:min(left, len(chunk))])
+            chunk = block[: min(left, len(block))]
+            f.write(struct.pack("<Q", k) + chunk[8:])  # every chunk differs
             left -= len(chunk)
+            k += 1
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(raw) + offset
 
 
-def best_of(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def drop_pages(paths: list[Path]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", type=Path, default=None, help="where the synthetic file goes (default: a temp dir)")
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--tensors", type=int, default=20000)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--target-gb", type=float, default=600.0)
-    ap.add_argument("--target-tensors", type=int, default=210_000)
+    ap.add_argument("--dir", type=Path, default=None, help="where the synthetic checkpoint goes (default: a temp dir)")
+    ap.add_argument("--shape", choices=("8b",), default="8b")
+    ap.add_argument("--threads", type=int, nargs="+", default=[0],
+                    help="thread counts for the first computation (0: the default, min(8, max(2, CPUs)))")
+    ap.add_argument("--keep", action="store_true", help="keep the synthetic files")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-        path = Path(tmp) / "model.safetensors"
-        make_file(path, int(a.gib * (1 << 30)), a.tensors)
-        size = path.stat().st_size
-        sha256_full(path)  # into the page cache
-        full_s = best_of(lambda: sha256_full(path), a.repeat)
-        sampled_s = best_of(lambda: weights_identity([path]), a.repeat)
-    full_rate = size / full_s
-    per_tensor = sampled_s / a.tensors
+    root = Path(tempfile.mkdtemp(prefix="identity-bench-", dir=a.dir))
+    cache = root / "cache"
+    os.environ["SPECCOMPAT_CACHE_DIR"] = str(cache)
+    try:
+        model = root / "model"
+        model.mkdir()
+        block = os.urandom(64 << 20)
+        files, total = [], 0
+        t0 = time.perf_counter()
+        parts = shards(llama_8b(), 4)
+        for k, part in enumerate(parts, start=1):
+            path = model / f"model-{k:05d}-of-{len(parts):05d}.safetensors"
+            total += write_file(path, part, block)
+            files.append(path)
+        made_s = time.perf_counter() - t0
+        firsts = []
+        for threads in a.threads:
+            shutil.rmtree(cache, ignore_errors=True)
+            drop_pages(files)
+            t0 = time.perf_counter()
+            ident = weights_identity(files, threads=threads or None)
+            s = time.perf_counter() - t0
+            firsts.append({"threads": threads or max(2, min(8, os.cpu_count() or 2)), "s": round(s, 2),
+                           "gb_per_s": round(total / 1e9 / s, 3)})
+        cached = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            again = weights_identity(files)
+            cached.append(time.perf_counter() - t0)
+            assert again == ident
+    finally:
+        if not a.keep:
+            shutil.rmtree(root, ignore_errors=True)
     write({
-        "benchmark": "model_identity", "method": IDENTITY_METHOD, "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "file_bytes": size, "tensors": a.tensors,
-        "full_sha256_s": round(full_s, 3), "full_sha256_gb_per_s": round(full_rate / 1e9, 3),
-        "sampled_s": round(sampled_s, 4), "sampled_us_per_tensor": round(per_tensor * 1e6, 2),
-        "extrapolated": {
-            "target_gb": a.target_gb, "target_tensors": a.target_tensors,
-            "full_sha256_s": round(a.target_gb * 1e9 / full_rate, 1),
-            "sampled_s_cached": round(per_tensor * a.target_tensors, 2),
-            "sampled_bytes_read": a.target_tensors * 3 * 4096,
-        },
+        "benchmark": "model_identity", "method": IDENTITY_METHOD, "segment_bytes": contenthash.SEGMENT,
+        "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "shape": a.shape,
+        "files": len(files), "bytes": total, "tensors": sum(len(p) for p in parts), "write_s": round(made_s, 1),
+        "first_pages_dropped": firsts, "cached_s": [round(x, 4) for x in cached],
+        "python": platform.python_version(),
     }, a.out)
 
 

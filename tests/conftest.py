@@ -35,6 +35,10 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "engine_full: leaves the gate (scripts/test); runs with --engine-full")
+    if "SPECCOMPAT_CACHE_DIR" not in os.environ:  # the model identity's digests: not into the user's cache
+        import tempfile
+
+        os.environ["SPECCOMPAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="speccompat-test-cache-")
 
 
 def pytest_collection_modifyitems(config, items):

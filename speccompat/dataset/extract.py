@@ -643,6 +643,10 @@ def main(argv: list[str] | None = None, *, script: Path | None = None, prog: str
 
         try:
             check_settings(cfg)
+            # the weights' digests once here, into the cache, rather than by every engine at once
+            from speccompat.dataset.provenance import model_identity
+
+            model_identity(cfg.model_path)
             return launch_engines(cfg, script or Path(__file__).resolve())
         except Rejected as exc:
             logger.error("%s", exc)

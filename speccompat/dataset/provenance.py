@@ -18,6 +18,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .contenthash import METHOD
+
 __all__ = ["INFORMATIONAL", "LAYER_MEANING", "ModelInfo", "collect", "differences", "digest", "model_identity",
            "read_model_info", "tokenizer_identity", "weights_identity"]
 
@@ -81,68 +83,50 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-#: Bytes read per sampled block of a tensor (see :func:`weights_identity`).
-SAMPLE_BLOCK = 4096
 #: Name and version of the identity method, stored with the digest: a change of method is a change.
-IDENTITY_METHOD = "safetensors-header+tensor-blocks-v1"
+IDENTITY_METHOD = "full-content-" + METHOD
 
 
-def _sample_ranges(start: int, end: int, block: int = SAMPLE_BLOCK) -> list[tuple[int, int]]:
-    """Byte ranges sampled from one tensor's data ``[start, end)``: its first, middle and last
-    ``block`` bytes (the whole tensor when it is at most three blocks long)."""
-    if end - start <= 3 * block:
-        return [(start, end)] if end > start else []
-    mid = start + ((end - start) // 2 // block) * block
-    return [(start, start + block), (mid, mid + block), (end - block, end)]
-
-
-def _safetensors_digest(path: Path) -> str:
-    """SHA-256 of a safetensors file's header (tensor names, dtypes, shapes, offsets, metadata) and,
-    for every tensor, of its first, middle and last :data:`SAMPLE_BLOCK` bytes."""
-    h = hashlib.sha256()
+def _check_safetensors_header(path: Path) -> None:
+    """``ValueError`` naming ``path`` when it does not start with a safetensors header (a truncated or
+    damaged file is named before it is hashed and before the engine loads it)."""
     with open(path, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) != 8:
             raise ValueError(f"{path}: shorter than a safetensors header")
         n = int.from_bytes(raw_len, "little")
-        header = f.read(n)
-        if len(header) != n:
-            raise ValueError(f"{path}: truncated safetensors header")
+        if n > 100 << 20 or n > os.fstat(f.fileno()).st_size - 8:
+            raise ValueError(f"{path}: safetensors header length {n} does not fit the file")
         try:
-            entries = json.loads(header)
+            entries = json.loads(f.read(n))
         except ValueError as exc:
             raise ValueError(f"{path}: safetensors header is not JSON ({exc})") from None
-        h.update(raw_len + header)
-        base = 8 + n
-        fd = f.fileno()
-        for name in sorted(k for k in entries if k != "__metadata__"):
-            try:
-                begin, end = (int(x) for x in entries[name]["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{path}: tensor {name!r} has no valid data_offsets") from None
-            for a, b in _sample_ranges(base + begin, base + end):
-                h.update(os.pread(fd, b - a, a))
-    return h.hexdigest()
+    if not isinstance(entries, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
 
 
-def weights_identity(files: list[Path]) -> dict[str, Any]:
-    """The identity of a checkpoint's weight files, from their content.
+def weights_identity(files: list[Path], *, threads: int | None = None) -> dict[str, Any]:
+    """The identity of a checkpoint's weight files, from their whole content.
 
-    Per file: its name, its size, and a digest of its content. A ``.safetensors`` file's digest
-    covers the whole header (every tensor's name, dtype, shape and offsets, and the metadata) and,
-    for every tensor, its first, middle and last 4 KiB (the whole tensor when it is at most 12 KiB):
-    every tensor contributes bytes, so negating, replacing or re-quantising any tensor changes
-    the identity, while a 600 GB checkpoint is read only a few bytes per tensor. An edit confined
-    to the unsampled interior of a large tensor is not seen. Other weight formats (``.bin``, ``.pt``,
-    ``.pth``, ``.gguf``: pickles cannot be read without running them) are hashed in full.
+    Per file: its name, its size and the digest of every byte of it
+    (:func:`speccompat.dataset.contenthash.file_digests`: XXH3-128 over 64 MiB segments hashed in
+    parallel, cached per file by path, size, times, inode and device in the user's cache
+    directory, so a resume reads no weight byte again). Any edit of any byte (one element of one
+    tensor) changes the identity. A ``.safetensors`` file whose header cannot be read is named.
     """
+    from .contenthash import file_digests
+
+    files = sorted(files, key=lambda q: q.name)
+    for p in files:
+        if p.name.endswith(".safetensors"):
+            _check_safetensors_header(p)
+    digests = file_digests(files, threads=threads, what="model identity")
     h = hashlib.sha256()
     total = 0
-    for p in sorted(files, key=lambda q: q.name):
+    for p in files:
         size = p.stat().st_size
         total += size
-        digest = _safetensors_digest(p) if p.name.endswith(".safetensors") else _sha256_file(p)
-        h.update(f"{p.name}\0{size}\0{digest}\n".encode())
+        h.update(f"{p.name}\0{size}\0{digests[p]}\n".encode())
     return {"files": len(files), "bytes": total, "method": IDENTITY_METHOD, "content_sha256": h.hexdigest()}
 
 
@@ -160,6 +144,11 @@ def model_identity(model_path: str) -> dict[str, Any]:
                if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith("training_")]
     try:
         out["weights"] = weights_identity(weights)
+    except ImportError as exc:
+        from .errors import Rejected
+
+        raise Rejected(f"identifying the weights of {model_path} needs xxhash: pip install 'speccompat[dataset]' "
+                       f"({exc})") from None
     except (OSError, ValueError) as exc:
         from .errors import Rejected
 

@@ -128,6 +128,9 @@ def differences(stored_header: dict[str, Any] | None, provenance: dict[str, Any]
 
 
 def refuse_differences(out_dir: Path, diffs: list[str], hint: str) -> None:
+    if any(d.startswith("model.weights.method:") for d in diffs):
+        hint = ("The model identity's method changed (this version reads every byte of the weights): a data set "
+                "begun by an older speccompat is resumed with that version, or redone.\n" + hint)
     if diffs:
         shown = diffs[:20] + ([f"... and {len(diffs) - 20} more"] if len(diffs) > 20 else [])
         raise Rejected(f"{out_dir} holds a data set made differently; nothing was started or written. "
