@@ -434,13 +434,16 @@ def release_sha256_at(root: Any, commit: str, versions: Any) -> dict[str, str | 
 def run_release_sha256(run: dict[str, Any], code: dict[str, Any]) -> str | None:
     """The capture path of its release that an end-to-end run ran: the ``release_sha256`` its
     evidence recorded, else, for a run of an unmodified checkout (``commit``, ``hot_path_modified``
-    false), the one derived at that commit (``code["runs"]``, from :func:`hot_path_state`); else None."""
+    false), the one derived at that commit (``code["runs"]``, from :func:`hot_path_state`), else, for a
+    run that recorded the whole capture path's hash only, its release's capture path in that state
+    (``code["states"]``); else None."""
     rec = run.get("code") or {}
     if rec.get("release_sha256"):
         return rec["release_sha256"]
     if rec.get("commit") and rec.get("hot_path_modified") is False:
         return ((code.get("runs") or {}).get(rec["commit"]) or {}).get(str(run.get("vllm")))
-    return None
+    # a run that recorded only the whole capture path's hash, of a state on record
+    return ((code.get("states") or {}).get(rec.get("hot_path_sha256") or "") or {}).get(str(run.get("vllm")))
 
 
 def code_record(root: Any, version: Any = None) -> dict[str, Any]:
@@ -476,8 +479,11 @@ def hot_path_state(root: Any) -> dict[str, Any]:
     ``releases`` {vLLM release: its capture path now} (:func:`release_capture_path`), and ``runs``
     {commit: {vLLM release: its capture path at that commit}} for the runs on record that name an
     unmodified commit and no ``release_sha256`` - derived from git where it has the commit
-    (:func:`release_sha256_at`), else kept from ``evidence/hot_path.json``. The file (written by
-    ``--write``) keeps the check working without git."""
+    (:func:`release_sha256_at`), else kept from ``evidence/hot_path.json``; ``states`` {an earlier
+    whole capture path's hash: ``releases`` as they were in it}, one entry added each time the file
+    is written after the capture path changed, so that a run which recorded only that hash is still
+    judged on its own release's part. The file (written by ``--write``) keeps the check working
+    without git."""
     import datetime
     import subprocess
     from pathlib import Path
@@ -517,8 +523,11 @@ def hot_path_state(root: Any) -> dict[str, Any]:
             release_sha = release_sha or ((kept.get("runs") or {}).get(commit) or {}).get(version)
             if release_sha:
                 runs.setdefault(commit, {})[version] = release_sha
+    states = dict(kept.get("states") or {})
+    if kept.get("sha256") and kept["sha256"] != sha and kept.get("releases"):
+        states[kept["sha256"]] = kept["releases"]
     return {"sha256": sha, "last_change": day, "files": files,
-            "releases": {v: now[v]["sha256"] for v in sorted(now, key=Version)}, "runs": runs}
+            "releases": {v: now[v]["sha256"] for v in sorted(now, key=Version)}, "runs": runs, "states": states}
 
 
 def is_stale(run: dict[str, Any], code: dict[str, Any]) -> bool:

@@ -348,3 +348,27 @@ def test_a_recorded_release_capture_path_decides(tmp_path):
     assert matrix.is_stale(runs["other.json"], code)  # the global hash is today's, its release's path is not
     rows = {(r.speculators, r.vllm): r.status for r in matrix.generate(root / "evidence").rows}
     assert rows[("0.4.0.1", newest)] == "supported" and rows[("0.4.0.1", before)] == "stale"
+
+
+def test_a_run_that_recorded_only_the_whole_hash_is_judged_on_its_release_in_that_state(tmp_path):
+    """An edit of the newest adapter changes the whole capture path's hash; a run of the release
+    before it that recorded only that hash stays current while its own release's part is unchanged
+    (evidence/hot_path.json keeps each earlier state's parts), and turns stale when that part changes."""
+    newest, before, _ = _releases_by_adapter()
+    root = _world(tmp_path / "repo", {})
+    then = {"sha256": matrix.hot_path_sha256(root), "last_change": "2026-12-01",
+            "releases": {before: matrix.release_capture_paths(root, [before])[before]["sha256"]}}
+    runs = {"whole-hash.json": _run([_cell()], vllm=before, code={"hot_path_sha256": then["sha256"]})}
+    root = _world(tmp_path / "repo2", runs)
+    (root / matrix.HOT_PATH_FILE).write_text(json.dumps(then))
+    path = _newest_adapter(root)
+    path.write_text(path.read_text() + "\n# edited\n")  # the whole hash moves, the release before it does not
+    code = matrix.hot_path_state(root)
+    assert code["sha256"] != then["sha256"] and code["states"] == {then["sha256"]: then["releases"]}
+    assert not matrix.is_stale(runs["whole-hash.json"], code)
+    assert matrix.is_stale(runs["whole-hash.json"], {**code, "states": {}})  # judged on the whole hash alone
+    assert matrix.is_stale(runs["whole-hash.json"], {**code, "releases": {before: "0" * 64}})  # its part changed
+    # written again, the earlier state is kept, and the current one is not added to the states
+    (root / matrix.HOT_PATH_FILE).write_text(json.dumps(code))
+    again = matrix.hot_path_state(root)
+    assert again["states"] == {then["sha256"]: then["releases"]} and again["sha256"] == code["sha256"]
