@@ -33,17 +33,7 @@ it, one after the other on the same disk, can be told apart.
 ``caller_wait_s`` is how long ``submit`` blocked the caller (the engine loop) on the in-flight
 budget; the data are generated before the clock starts.
 
-``--busy-caller F`` runs, beside the writer in its process, a thread that spends the fraction ``F``
-of every 4 ms in Python and sleeps the rest, as the driver's engine loop shares the interpreter
-with the writer: each writer thread takes the GIL back after every system call, and a thread busy
-in Python hands it over only every ``sys.getswitchinterval()`` (5 ms). Each run then also says how
-much of its Python work the busy thread got done (``caller_work_per_s``, 4 ms slices: at most 250
-a second), and ``--switch-interval`` sets the interpreter's switch interval for the runs. With
-``--busy-kind process`` the same loop runs in a process of its own: it takes a core as the thread
-does but never the writer's GIL, so the two kinds together tell the GIL's share of a loss from the
-core's. ``--wake-probe`` adds throughput.py's wake probe beside the writer (``wake_late``: how late a
-thread sleeping 1 ms at a time got the GIL back), which calibrates the figure the driver's passes
-record. ``--no-serial`` leaves the serial path out.
+``--no-serial`` leaves the serial path out.
 
     python benchmarks/writer.py --dir /data/bench --samples 64 --tokens 2048 --hidden 7168 --layers 4 \
         --out benchmarks/results/writer-cpu.json
@@ -65,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write  # noqa: E402
-from throughput import WakeProbe, disk_parallel_write_gbps, disk_write_seconds, settle  # noqa: E402  (benchmarks/throughput.py)
+from throughput import disk_parallel_write_gbps, disk_write_seconds, settle  # noqa: E402  (benchmarks/throughput.py)
 
 
 def fake(args, torch):
@@ -159,76 +149,7 @@ def variant_ops(variant: str, manifest_path: Path):
     return Ops()
 
 
-def _busy_loop(fraction: float, slice_s: float, stop, slices) -> None:
-    """Spend ``fraction`` of every ``slice_s`` in Python until ``stop`` is set, counting slices."""
-    x = 0
-    while not stop.is_set():
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < slice_s * fraction:
-            for i in range(200):
-                x += i * i
-        slices.value += 1
-        if fraction < 1:
-            time.sleep(slice_s * (1 - fraction))
-
-
-class _Count:
-    value = 0
-
-
-class BusyCaller:
-    """A thread (or, ``kind="process"``, a spawned process) busy in Python for ``fraction`` of
-    every 4 ms (see the module's docstring)."""
-
-    SLICE = 0.004
-
-    def __init__(self, fraction: float, kind: str = "thread") -> None:
-        if kind == "process":
-            import multiprocessing
-
-            ctx = multiprocessing.get_context("spawn")
-            self.stop, self.slices = ctx.Event(), ctx.Value("q", 0, lock=False)
-            self.worker = ctx.Process(target=_busy_loop, args=(fraction, self.SLICE, self.stop, self.slices),
-                                      name="busy-caller", daemon=True)
-        else:
-            import threading
-
-            self.stop, self.slices = threading.Event(), _Count()
-            self.worker = threading.Thread(target=_busy_loop, args=(fraction, self.SLICE, self.stop, self.slices),
-                                           name="busy-caller", daemon=True)
-
-    def __enter__(self) -> BusyCaller:
-        self.worker.start()
-        while not self.slices.value:  # a spawned process takes a while to start: count from its first slice
-            time.sleep(0.001)
-        self.t0, self.first = time.perf_counter(), self.slices.value
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.worker.join()
-        self.per_s = round((self.slices.value - self.first) / (time.perf_counter() - self.t0), 1)
-
-
 def run_writer(args, root: Path, samples, states, threads: int, checksum: str, variant: str = "writer") -> dict:
-    """One pass of the writer (beside a :class:`BusyCaller` with ``--busy-caller``, and with
-    ``--wake-probe`` beside throughput.py's :class:`WakeProbe`, whose figures calibrate the driver's)."""
-    probe = WakeProbe() if getattr(args, "wake_probe", False) else None
-    try:
-        if args.busy_caller:
-            with BusyCaller(args.busy_caller, args.busy_kind) as busy:
-                res = _run_writer(args, root, samples, states, threads, checksum, variant)
-            res = {**res, "caller_work_per_s": busy.per_s}
-        else:
-            res = _run_writer(args, root, samples, states, threads, checksum, variant)
-    finally:
-        woke = probe.phase() if probe else None
-        if probe:
-            probe.close()
-    return {**res, **({"wake_late": woke} if woke else {})}
-
-
-def _run_writer(args, root: Path, samples, states, threads: int, checksum: str, variant: str) -> dict:
     from speccompat.dataset.manifest import Manifest
     from speccompat.dataset.store import open_dataset
 
@@ -305,22 +226,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="run every variant this many times, each round "
                     "beside its own parallel probe")
     ap.add_argument("--max-in-flight-gb", type=float, default=8.0)
-    ap.add_argument("--busy-caller", type=float, default=0.0, metavar="F",
-                    help="a thread busy in Python for this fraction of the time beside the writer (0 to 1)")
-    ap.add_argument("--busy-kind", choices=["thread", "process"], default="thread",
-                    help="the busy caller as a thread of the writer's process (shares its GIL) or as a process")
-    ap.add_argument("--wake-probe", action="store_true", help="a thread beside the writer records how late it gets "
-                    "the GIL back after each 1 ms sleep (throughput.py's probe, calibrated here)")
-    ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
-                    help="the interpreter's switch interval for the runs, seconds (sys.setswitchinterval)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not 0 <= args.busy_caller <= 1:
-        ap.error("--busy-caller is a fraction of the time, 0 to 1")
-    if args.switch_interval is not None:
-        if args.switch_interval <= 0:
-            ap.error("--switch-interval must be positive")
-        sys.setswitchinterval(args.switch_interval)
     import torch
 
     import speccompat.dataset.writer as writer_module
@@ -361,7 +268,6 @@ def main() -> None:
         "shape": {"samples": args.samples, "tokens": args.tokens, "hidden": args.hidden, "layers": args.layers,
                   "dtype": "bfloat16", "batch": args.batch, "gb": round(nbytes / 1e9, 3)},
         "writer_sha256": hashlib.sha256(Path(writer_module.__file__).read_bytes()).hexdigest(),
-        "busy_caller": args.busy_caller, "busy_kind": args.busy_kind, "switch_interval_s": sys.getswitchinterval(),
         "dd_gb_per_s": round(dd_rate, 3),
         **({"parallel_probe": {"gb_per_s": probe, "threads": max(args.threads), "rounds": probes}} if probe else {}),
         **({"parallel_fresh_probe": {"gb_per_s": round(sum(fresh) / len(fresh), 3), "threads": max(args.threads),

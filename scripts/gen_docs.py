@@ -14,6 +14,30 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "docs" / "patches.md"
 
 
+#: The environment variables speccompat reads (see ``speccompat.api`` and ``speccompat.generator``).
+SETTINGS = """## Settings
+
+| variable | effect |
+|---|---|
+| `SPECCOMPAT_STRICT=1` | like `apply(strict=True)`: no adapter or no matrix row is an error, and so is a capture step whose token ids cannot be verified |
+| `SPECCOMPAT_VLLM_VERSION=0.24.0` | the release a vLLM build really is, when its version string is odd (the live probe still decides; the adapter it confirms is the one every process uses) |
+| `SPECCOMPAT_LOG_LEVEL=WARNING` | level of the `speccompat` logger |
+| `SPECCOMPAT_IN_FLIGHT=1` | steps the generator's engine loop keeps submitted: 1 collects each step before scheduling the next; the default (2 on GPUs from vLLM 0.11.1; 1 on CPUs, where the driver would compete with the forward for the cores) schedules and sends the next step while one runs |
+| `SPECCOMPAT_GENERATE=call` | how `generate()` with copies runs: `stream` on top of `speccompat.generator.stream` (each sequence copied out as soon as its last step ran; the default on GPUs), `call` one engine call copied out after the loop (the default on CPUs) |
+| `SPECCOMPAT_DISABLE=generator.generate,worker.` | leave patches out (ids, or prefixes ending in `.`), e.g. to reproduce a bug; an item that names no patch is an error (`PatchError`, naming it). Workers are still checked unless `worker._speccompat_info` itself is left out |
+
+speccompat logs through the standard `logging` module under the `speccompat` logger (a `NullHandler`,
+propagating): where the application configured logging, its handlers receive speccompat's records.
+Only while the root logger has no handler at all does speccompat print its INFO lines to stderr itself.
+
+`apply()` belongs before `import speculators`; after it, it patches the modules already imported,
+provided that import succeeded. Where vLLM is missing or unsupported, `apply()` still applies
+speculators' import fixes and warns, naming what is missing; `apply(strict=True)` raises instead.
+`revert()` restores every replaced object in the driver process and stops new worker processes from
+applying; workers already running keep their patches until their executor shuts down.
+"""
+
+
 def render() -> str:
     from speccompat.patches import GROUPS
     from speccompat.registry import adapter_modules, by_name, fingerprint
@@ -24,6 +48,7 @@ def render() -> str:
         "Generated from the code by `python scripts/gen_docs.py`; `speccompat doctor` shows which apply "
         "to the installed versions.",
         "",
+        SETTINGS,
         "## Patches (names in speculators' modules, and speculators' methods)",
         "",
         "Each patch replaces one attribute of speculators; vLLM's modules are never modified. Patches of "

@@ -1,5 +1,5 @@
 """The instruments of ``benchmarks/`` that the speed figures rest on: what the disk probes write,
-how a disk pass's phases turn into rates, and the counters of the wake probe and the CPU snapshot.
+and the counters of the wake probe and the CPU snapshot.
 
 Their figures are measured by the benchmarks themselves; here only what would make a figure wrong
 without looking wrong: a "fresh" probe that writes repeated blocks, a rate taken from the wrong
@@ -18,7 +18,6 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-import report  # noqa: E402  (benchmarks/report.py)
 import throughput  # noqa: E402  (benchmarks/throughput.py)
 
 BLOCK = 4096
@@ -56,17 +55,6 @@ def test_plain_probe_writes_one_buffer_into_every_file(monkeypatch, tmp_path):
     files = written_blocks(monkeypatch, tmp_path, file_bytes=16 * BLOCK, total=9 * 16 * BLOCK)
     assert len(files) == 9
     assert all(f == files[0] for f in files) and len(set(files[0])) == 16
-
-
-def test_phase_rates_from_a_pass():
-    last = {"bytes": 10e9, "writer_backlog_at_last_step_gb": 2.0, "engine_calls_s": 8.0, "tail_s": 0.5}
-    during, alone = report.phase_rates(last)
-    assert during == pytest.approx(1.0) and alone == pytest.approx(4.0)
-    # a writer that kept up (backlog under 5% of the bytes), a tail that is latency, missing fields
-    assert report.phase_rates({**last, "writer_backlog_at_last_step_gb": 0.4}) is None
-    assert report.phase_rates({**last, "tail_s": 0.2}) is None
-    assert report.phase_rates({k: v for k, v in last.items() if k != "tail_s"}) is None
-    assert report.phase_rates({**last, "engine_calls_s": 0}) is None
 
 
 def test_wake_probe_phases_split_the_wakes():

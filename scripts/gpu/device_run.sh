@@ -9,10 +9,6 @@
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
 #   device_run.sh ckpt8b             build the 8B-shaped checkpoint at $CKPT (/tmp/ckpt-8b) in the background
 #                                    (it outlives the call; /tmp/ckpt-8b.done when finished)
-#   device_run.sh writer-disk        the writer alone on the output disk, no engine ($SAMPLES 8B-shaped samples,
-#                                    default 512): beside nothing, a thread and a process busy all the time,
-#                                    each with the wake probe and both parallel probes; then the disk probe with
-#                                    repeated and fresh data ($VOLUME GB, default 17); $DISK_DIR (/tmp/sc-bench-disk)
 # Results go to $OUT (evidence JSON, logs, benchmark JSON).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -106,17 +102,5 @@ open('/tmp/ckpt-8b.done', 'w').close()" > /tmp/ckpt-8b.log 2>&1 < /dev/null &
     fi
     PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu${BENCH_NAME:+-$BENCH_NAME}.json" ${BENCH_ARGS:-}
     ;;
-  writer-disk)
-    dir="${DISK_DIR:-/tmp/sc-bench-disk}"
-    for busy in none thread process; do
-      extra=(); [ "$busy" = none ] || extra=(--busy-caller 1 --busy-kind "$busy")
-      PYTHONPATH="$PYTHONPATH:." python3 benchmarks/writer.py --dir "$dir" --samples "${SAMPLES:-512}" --tokens 504 \
-        --hidden 4096 --layers 4 --batch 1 --threads 16 --checksums xxh3_64 --no-serial --parallel-probe \
-        --fresh-probe --rounds 2 --wake-probe "${extra[@]}" --out "$OUT/writer-gpu-h200-wake-$busy.json" > /dev/null
-    done
-    python3 benchmarks/disk.py --dir "$dir" --file-mb 16.5 --threads 16 --volumes "${VOLUME:-17}" --rounds 2 --fresh \
-      --out "$OUT/disk-gpu-h200-fresh.json" > /dev/null
-    ls -la "$OUT"
-    ;;
-  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | reset | ckpt8b | bench | writer-disk"; exit 2 ;;
+  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | reset | ckpt8b | bench"; exit 2 ;;
 esac

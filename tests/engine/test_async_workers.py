@@ -3,7 +3,7 @@ vLLM 0.33.0, adapter ``vllm_0_33_0``) gives the states of the synchronous worker
 turns asynchronous scheduling off on a CPU, and speccompat keeps it off there).
 
 With it on, each worker hands a step's output copy to vLLM's output thread and takes the next step
-at once (``benchmarks/NOTES.md``, "The workers' asynchronous scheduling"). The synchronous run gives
+at once (docs/benchmarks.md, the row "views with the workers' asynchronous scheduling"). The synchronous run gives
 the scheduler config speculators' generator builds ``async_scheduling=False`` after the adapter
 built it (nothing in vLLM or speccompat is changed), so one test shows, on the same checkpoint and
 inputs: the same states both ways (the parity suite compares the capture path with transformers),
