@@ -2,6 +2,8 @@
 # Device side of the GPU evidence run (runs on the GPU machine, from a copy of the repository).
 #   device_run.sh install            install the staged vLLM, speccompat and speculators under /tmp
 #   device_run.sh test RUNNER [TP]   engine parity + silent-bug suites; RUNNER is v2 (default) or v1 (vLLM <= 0.33)
+#   device_run.sh proof              a release's proof at TP=1: parity, silent bugs, INT4, the serving-path and
+#                                    native-extraction oracles, Qwen3 (two pytest processes side by side)
 #   device_run.sh kimi RUNNER [TP]   Kimi-K2.5 parity: kimi_k25 (bf16) and kimi_k25 with INT4 experts,
 #                                    the thresholds' planted-bug checks, and vLLM's parse of the INT4 config
 #   device_run.sh reset              forget the staged and installed release, so that another one can be
@@ -68,7 +70,7 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
     export SPECCOMPAT_EVIDENCE_OUT="$OUT/vllm-$V-tp$TP-$RUNNER${OUT_NAME:+-$OUT_NAME}.json" SPECCOMPAT_TEST_TP="$TP" SPECCOMPAT_TEST_RUNNER="$RUNNER"
     BT="/tmp/pytest-$N"
     set +e
-    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --basetemp="$BT" ${TEST_FILES:-tests/engine/test_parity.py \
+    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --basetemp="$BT" ${PYTEST_ARGS:-} ${TEST_FILES:-tests/engine/test_parity.py \
       tests/engine/test_silent_bugs.py} -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -60 | tee "$OUT/pytest-$N.txt"
     rc=${PIPESTATUS[0]}
     for f in "$BT"/engines0/logs/*.log; do
@@ -81,6 +83,25 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
     # brings the ones built for its torch)
     rm -rf /tmp/stage /tmp/site /tmp/spec-* /tmp/nocudnn /tmp/speccompat-env.json /tmp/pytest-*
     echo "reset: no release staged or installed"
+    ;;
+  proof)
+    # A release's proof at TP=1 on the default runner, two pytest processes side by side (tiny models;
+    # each engine takes 0.1 of the GPU): (1) parity with transformers for Llama, DeepseekV3 and Kimi-K2.5
+    # (bf16 and INT4 experts), the silent-bug checks and the thresholds' planted bugs; (2) the
+    # serving-path and native-extraction oracles for Llama, Qwen3, DeepseekV3 and Kimi-K2.5 and the
+    # Qwen3 architecture's parity. Evidence: $OUT/vllm-V-tp1-v2-{parity,oracles}.json, architectures-V.json.
+    V=$(python3 -c "import json; print(json.load(open('/tmp/speccompat-env.json'))['vllm'])")
+    TEST_FILES="tests/engine/test_parity.py tests/engine/test_silent_bugs.py tests/engine/test_int4.py" OUT_NAME=parity \
+      bash "$0" test v2 1 > /dev/null 2>&1 &
+    p1=$!
+    SPECCOMPAT_ARCH_EVIDENCE_OUT="$OUT/architectures-vllm-$V.json" PYTEST_ARGS=--engine-full OUT_NAME=oracles \
+      TEST_FILES="tests/engine/test_serving_path.py tests/engine/test_native_extract.py tests/engine/test_architectures.py" \
+      TEST_SELECT="not llama4 and not qwen3_moe and not gpt_oss and not mistral and not gemma3 and not glm4_moe" \
+      bash "$0" test v2 1 > /dev/null 2>&1 &
+    p2=$!
+    rc=0; wait $p1 || rc=$?; wait $p2 || rc=$?
+    tail -n 15 "$OUT"/pytest-v2-tp1-parity.txt "$OUT"/pytest-v2-tp1-oracles.txt
+    exit $rc
     ;;
   kimi)
     RUNNER="${2:-v2}"; TP="${3:-1}"
@@ -102,5 +123,5 @@ open('/tmp/ckpt-8b.done', 'w').close()" > /tmp/ckpt-8b.log 2>&1 < /dev/null &
     fi
     PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu${BENCH_NAME:+-$BENCH_NAME}.json" ${BENCH_ARGS:-}
     ;;
-  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | kimi [v1|v2] [TP] | reset | ckpt8b | bench"; exit 2 ;;
+  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | proof | kimi [v1|v2] [TP] | reset | ckpt8b | bench"; exit 2 ;;
 esac
