@@ -152,11 +152,15 @@ class ArrowLayout(Layout):
         from datasets.arrow_writer import ArrowWriter
         from tqdm import tqdm
 
+        from .directory import DatasetDir
+
         out_dir = _dir_of(ddir)
+        owner = DatasetDir(out_dir)
+        owner.check_own_dirs([BUILD_DIR, HS_DIR])  # a link or a file there: refused before anything is touched
         entries = list(entries)
-        build = out_dir / BUILD_DIR
-        shutil.rmtree(build, ignore_errors=True)
-        (build / HS_DIR).mkdir(parents=True)
+        owner.remove_own_dir(BUILD_DIR)  # left by an interrupted build
+        build = owner.fresh_dir(BUILD_DIR)
+        os.mkdir(build / HS_DIR)
         rows = []
         writer = ArrowWriter(features=_features(), path=str(build / "rows.arrow"), writer_batch_size=1000)
         try:
@@ -187,7 +191,7 @@ class ArrowLayout(Layout):
         """The names the trainer's view owns in ``root``."""
         names = set(self.side_files)
         names |= {p.name for p in Path(root).glob("data-*.arrow")}
-        if (Path(root) / BUILD_DIR).exists():
+        if os.path.lexists(Path(root) / BUILD_DIR):
             names.add(BUILD_DIR)
         return names
 
@@ -224,12 +228,16 @@ def _swap_in(out_dir: Path, build: Path, freq: dict[int, int], info: dict[str, A
 
     import torch
 
+    from .directory import DatasetDir
+
+    DatasetDir(out_dir).check_own_dirs([BUILD_DIR, HS_DIR])
     (out_dir / STATE).unlink(missing_ok=True)
     fsync_dir(out_dir)
     for p in out_dir.glob("data-*.arrow"):
         p.unlink()
     (out_dir / "dataset_info.json").unlink(missing_ok=True)
-    shutil.rmtree(out_dir / HS_DIR, ignore_errors=True)
+    if os.path.lexists(out_dir / HS_DIR):
+        shutil.rmtree(out_dir / HS_DIR)
     os.replace(build / HS_DIR, out_dir / HS_DIR)
     buf = io.BytesIO()
     torch.save(freq, buf)
@@ -242,7 +250,7 @@ def _swap_in(out_dir: Path, build: Path, freq: dict[int, int], info: dict[str, A
     fsync_dir(out_dir)
     os.replace(arrow / STATE, out_dir / STATE)
     fsync_dir(out_dir)
-    shutil.rmtree(build, ignore_errors=True)
+    DatasetDir(out_dir).remove_own_dir(BUILD_DIR)
 
 
 def check_view(layout: ArrowLayout, out_dir: Path, manifest: Manifest) -> list[str]:
@@ -256,7 +264,13 @@ def check_view(layout: ArrowLayout, out_dir: Path, manifest: Manifest) -> list[s
         require_datasets()
     except Rejected as exc:
         return [f"{STATE}: the Arrow view cannot be checked: {exc}"]
-    if (out_dir / BUILD_DIR).exists():
+    from .directory import DatasetDir
+
+    linked = [why for n in (BUILD_DIR, HS_DIR) if (why := DatasetDir(out_dir).own_dir_problem(n))]
+    if linked:
+        return [f"{why.removeprefix(str(out_dir) + '/')}: refused (never followed); remove it, then {rebuild}"
+                for why in linked]
+    if os.path.lexists(out_dir / BUILD_DIR):
         return [f"{BUILD_DIR}: left by an interrupted build of the Arrow view; {rebuild}"]
     if not (out_dir / STATE).is_file():
         return [f"{STATE}: missing: the Arrow view for speculators >= 0.5 was not built (an interrupted run?); "

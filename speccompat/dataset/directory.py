@@ -39,7 +39,7 @@ from .errors import Rejected
 from .fsutil import LOCK_NAME, TMP_SUFFIX, check_output_dir, free_bytes, write_atomic
 from .manifest import MANIFEST_NAME, Manifest
 
-__all__ = ["HEADER_LOCK_NAME", "HEADER_NAME", "LOCK_NAME", "PART_LOCK_RE", "PART_RE", "TRASH_NAME", "DatasetDir", "DirLock", "Plan",
+__all__ = ["EXPORT_STAGING", "HEADER_LOCK_NAME", "OWN_DIRS", "HEADER_NAME", "LOCK_NAME", "PART_LOCK_RE", "PART_RE", "TRASH_NAME", "DatasetDir", "DirLock", "Plan",
            "bad_name", "part_lock_name", "part_name", "plan_resume"]
 
 logger = logging.getLogger("speccompat.dataset")
@@ -52,6 +52,11 @@ PART_RE = re.compile(r"^manifest\.shard-(\d+)-of-(\d+)\.jsonl$")
 PART_LOCK_RE = re.compile(r"^\.speccompat-shard-(\d+)-of-(\d+)\.lock$")
 #: Held by a shard while it decides on the shared header (short: one shard at a time).
 HEADER_LOCK_NAME = ".speccompat-header.lock"
+#: Where ``speccompat export`` builds the new data set inside its output directory.
+EXPORT_STAGING = ".speccompat-export-staging"
+#: Folders speccompat creates and deletes inside a data set (the Arrow layout's build and view
+#: folders, --overwrite's trash, export's staging): never followed when they are links.
+OWN_DIRS = (".speccompat-arrow-build", "hidden_states", TRASH_NAME, EXPORT_STAGING)
 _TMP_RE = re.compile(r"^(.*)\.\d+" + re.escape(TMP_SUFFIX) + "$")
 
 
@@ -155,6 +160,46 @@ class DatasetDir:
         root = self.root.resolve()
         return root.with_name(root.name + ".token_freq.pt")
 
+    def own_dir_problem(self, name: str) -> str | None:
+        """Why ``DIR/name``, a folder this code creates and deletes (a build folder, the Arrow view's
+        ``hidden_states/``), must not be touched: it is a symbolic link or not a folder (None: it is
+        absent or a plain folder)."""
+        try:
+            st = os.lstat(self.path(name))
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            return f"{self.root / name} is a symbolic link"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{self.root / name} is not a folder"
+        return None
+
+    def check_own_dirs(self, names: tuple[str, ...] | list[str] = ()) -> None:
+        """:class:`Rejected`, before anything is deleted or moved, when one of the folders ``names``
+        (default: every folder any layout or command creates in a data set) is a symbolic link or not
+        a folder: nothing outside the directory is ever followed into."""
+        found = [why for n in (names or OWN_DIRS) if (why := self.own_dir_problem(n))]
+        if found:
+            raise Rejected("; ".join(found) + f": refused (speccompat creates and deletes that folder itself inside "
+                           f"{self.root}, and never follows a link out of it); remove it and run again")
+
+    def fresh_dir(self, name: str) -> Path:
+        """Create the folder ``DIR/name`` anew (``mkdir``: nothing of that name may exist, a symbolic
+        link included, so nothing is followed)."""
+        path = self.path(name)
+        try:
+            os.mkdir(path, 0o755)
+        except FileExistsError:
+            raise Rejected(f"{path} exists: refused (it is created anew by this command; remove it)") from None
+        return path
+
+    def remove_own_dir(self, name: str) -> None:
+        """Delete the folder ``DIR/name`` that this code created (a leftover of an interrupted build):
+        refused when it is a symbolic link or not a folder."""
+        self.check_own_dirs([name])
+        if os.path.lexists(self.path(name)):
+            shutil.rmtree(self.path(name))
+
     def ensure(self) -> None:
         """Create the directory if needed; :class:`Rejected` when it is not writable."""
         if self.root.is_symlink() and not self.root.is_dir():
@@ -207,7 +252,15 @@ class DatasetDir:
         for n in self.names():
             m = _TMP_RE.match(n)
             if n.endswith(TMP_SUFFIX) and (only_of is None or (m is not None and m.group(1) in only_of)):
-                self.unlink(n)
+                try:
+                    if stat.S_ISDIR(os.lstat(self.path(n)).st_mode):
+                        logger.warning("%s is a folder named like a temporary file: left as it is",
+                                       self.root / n)
+                        continue
+                    self.unlink(n)
+                except (OSError, ValueError) as exc:
+                    logger.warning("cannot remove %s: %s", self.root / n, exc)
+                    continue
                 gone.append(n)
         if gone:
             logger.info("removed %d temporary file(s) left by an interrupted run: %s", len(gone),

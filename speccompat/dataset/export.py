@@ -12,17 +12,20 @@ or misnumber a layer is refused before anything is written, naming the layer: to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from . import provenance as prov_mod
 from .checksum import digest_fn
-from .directory import DatasetDir
+from .directory import EXPORT_STAGING, DatasetDir
 from .errors import DatasetError, Rejected
 from .formats import SAFETENSORS, SPECULATORS, layout_named
+from .fsutil import LOCK_NAME, fsync_dir
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .reader import decode_sample, tensor_from
 
@@ -79,10 +82,14 @@ def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, lay
         w = want.get(name) or {}
         if [dtype, shape] != [w.get("dtype"), w.get("shape")] or digest(buf) != w.get("checksum"):
             raise Rejected(f"{path}: tensor {name} does not match the manifest; run `speccompat verify {src}`")
-    tensors = {n: tensor_from(*v) for n, v in raw.items()}
-    ids_t, mask_t, layers = decode_sample(layout.name, tensors, layer_ids)
-    ids = ids_t.tolist()
-    mask = mask_t.tolist() if mask_t is not None else None
+    try:
+        tensors = {n: tensor_from(*v) for n, v in raw.items()}
+        ids_t, mask_t, layers = decode_sample(layout.name, tensors, layer_ids)
+        ids = ids_t.tolist()
+        mask = mask_t.tolist() if mask_t is not None else None
+    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+        raise Rejected(f"{path}: its tensors are not a sample of this data set ({type(exc).__name__}: {exc}); "
+                       f"run `speccompat verify {src}`") from None
     if mask is not None and input_digest(ids, mask) != entry.get("input_sha256") \
             and input_digest(ids, None) == entry.get("input_sha256") and set(mask) <= {1}:
         mask = None  # the input had no loss mask; the source layout filled in ones
@@ -91,11 +98,26 @@ def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, lay
     return sample, dict(zip(layer_ids, layers, strict=True))
 
 
+def _is_within(inner: Path, outer: Path) -> bool:
+    try:
+        inner.resolve().relative_to(outer.resolve())
+    except ValueError:
+        return False
+    return True
+
+
 def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_flight_bytes: int = 2 << 30,
                    progress: bool = True) -> list[str]:
     """Convert ``src`` to layout ``to`` (a key of :data:`EXPORT_FORMATS`) in the new directory ``out``;
-    returns ``verify``'s problems of the result (empty: intact). Raises :class:`Rejected` before
-    writing anything when the conversion is not possible."""
+    returns ``verify``'s problems of the result (empty: intact, and in place). Raises :class:`Rejected`
+    when the conversion is not possible or a source file is not as its manifest says.
+
+    The new data set is written into ``out/.speccompat-export-staging`` (created anew, never through
+    a link), verified there, and only then moved into ``out``: a refused or failed export leaves
+    ``out`` as it was (empty), an interrupted one leaves only that folder, which ``verify`` and
+    ``merge`` refuse (``out`` has no manifest) and the next export removes. Nothing outside ``out``
+    is written, but for the speculators-0.4 layout's token-frequency file, which that layout keeps
+    beside the directory (``<out>.token_freq.pt``; an existing one is refused, not replaced)."""
     from tqdm import tqdm
 
     from .store import OpenDataset
@@ -104,6 +126,8 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
     src, out = Path(src), Path(out)
     if to not in EXPORT_FORMATS:
         raise Rejected(f"unknown format {to!r} (known: {', '.join(EXPORT_FORMATS)})")
+    if not src.is_dir():
+        raise Rejected(f"{src}: not a directory")
     m = Manifest(src).load()
     if m.header is None:
         raise Rejected(f"{src}: no {MANIFEST_NAME} header: not a speccompat data set")
@@ -115,26 +139,61 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
     target = EXPORT_FORMATS[to]
     num_layers = prov.get("model", {}).get("num_hidden_layers")
     layer_ids = _plan_layers(src_layer_ids, num_layers, target)
-    if out.exists() and any(out.iterdir()):
+    if os.path.lexists(out) and not out.is_dir():
+        raise Rejected(f"{out} exists and is not a directory: export writes a new data set into a directory")
+    if _is_within(out, src) or _is_within(src, out):
+        raise Rejected(f"{out} and the source {src} overlap: export writes a new data set into a directory of its own")
+    created = not os.path.lexists(out)
+    if not created and any(n not in (LOCK_NAME, EXPORT_STAGING) for n in os.listdir(out)):
         raise Rejected(f"{out} exists and is not empty: export writes a new data set")
     ddir = DatasetDir(out)
+    layout = layout_named(target, layer_ids, num_layers)
+    freq_final = ddir.token_freq_path() if layout.token_freq_beside else None
+    if freq_final is not None and os.path.lexists(freq_final):
+        raise Rejected(f"{freq_final} exists: the {to} layout keeps its token frequencies there; export does not "
+                       "replace it (remove it, or export to another directory)")
     ddir.ensure()
-    with ddir.lock():
+    had_lock = os.path.lexists(ddir.path(LOCK_NAME))
+    try:
+        with ddir.lock(busy=f"another command is writing to {out}"):
+            problems = _export_staged(src, m, src_layout, src_layer_ids, to, ddir, layout, layer_ids, prov,
+                                      freq_final, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
+                                      progress=progress, tqdm=tqdm, open_dataset=OpenDataset, verify=verify_dataset)
+    except BaseException:
+        with contextlib.suppress(OSError):  # nothing this export made is left
+            if not had_lock:
+                ddir.unlink(LOCK_NAME)
+            if created:
+                os.rmdir(out)
+        raise
+    return problems
+
+
+def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[int], to: str, ddir: DatasetDir,
+                   layout: Any, layer_ids: list[int], prov: dict[str, Any], freq_final: Path | None, *, threads: int,
+                   max_in_flight_bytes: int, progress: bool, tqdm: Any, open_dataset: Any, verify: Any) -> list[str]:
+    out = ddir.root
+    if os.path.lexists(ddir.path(EXPORT_STAGING)):
+        logger.info("%s: removing %s, left by an interrupted export", out, EXPORT_STAGING)
+        ddir.remove_own_dir(EXPORT_STAGING)
+    stage = DatasetDir(ddir.fresh_dir(EXPORT_STAGING))
+    freq_staged = out / f"{EXPORT_STAGING}.token_freq.pt"
+    try:
+        target = layout.name
         new_prov = copy.deepcopy(prov)
         new_prov["layout"] = target
         new_prov["hidden_states"]["layer_ids"] = layer_ids
         new_prov["exported_from"] = {"path": str(src.resolve()), "layout": m.header["layout"],
                                      "provenance_sha256": m.header.get("provenance_sha256") or prov_mod.digest(prov),
                                      "entries": len(m.entries)}
-        layout = layout_named(target, layer_ids, num_layers)
-        manifest = Manifest(out)
+        manifest = Manifest(stage.root)
         manifest.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": target, "checksum": m.header["checksum"],
                            "provenance": new_prov, "provenance_sha256": prov_mod.digest(new_prov)}
         manifest.rewrite()
         entries = sorted(m.entries.values(), key=lambda e: (e.get("line", 0), str(e["id"])))
         files: dict[str, str] = {}
-        ds = OpenDataset(out, layout, manifest, new_prov, [], [], files, 0, layer_ids, prov["hidden_states"]["dtype"],
-                         int(prov["model"]["hidden_size"]))
+        ds = open_dataset(stage.root, layout, manifest, new_prov, [], [], files, 0, layer_ids,
+                          prov["hidden_states"]["dtype"], int(prov["model"]["hidden_size"]))
         digest = digest_fn(m.header["checksum"])
         logger.info("export %s (%s, %d samples) -> %s (%s, layers %s)", src, m.header["layout"], len(entries), out,
                     target, layer_ids)
@@ -144,10 +203,31 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
                 sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids)
                 files[sample.id] = layout.file_name(sample.id, k)
                 w.submit([ds.job(sample, [by_layer[i] for i in layer_ids])])
-        ds.finish()  # the one finish path (the token frequencies are counted from the written files)
-    problems, n = verify_dataset(out, threads)
-    logger.info("export %s: %d samples written and verified, %d problem(s)", out, n, len(problems))
-    return problems
+        if w.failed:
+            sample, why = w.failed[0]
+            raise Rejected(f"{len(w.failed)} sample(s) of {src} could not be written (id {sample.id!r}: {why}); "
+                           f"nothing was exported")
+        ds.finish(freq_staged if freq_final is not None else None)  # the one finish path
+        problems, n = verify(stage.root, threads)
+        logger.info("export %s: %d samples written and verified, %d problem(s)", out, n, len(problems))
+        if problems:
+            return [f"{p} (in the staging folder; nothing was exported)" for p in problems]
+        # in place: everything but the manifest, then the manifest (until it is there, out is no data set)
+        names = [n for n in sorted(os.listdir(stage.root)) if n != MANIFEST_NAME]
+        for name in [*names, MANIFEST_NAME]:
+            os.replace(stage.path(name), ddir.path(name))
+        if freq_final is not None:
+            os.replace(freq_staged, freq_final)
+        fsync_dir(out)
+        os.rmdir(stage.root)
+        fsync_dir(out)
+        return []
+    finally:
+        if os.path.lexists(stage.root):
+            with contextlib.suppress(OSError, Rejected):
+                ddir.remove_own_dir(EXPORT_STAGING)
+        with contextlib.suppress(OSError):
+            freq_staged.unlink()
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -174,6 +254,12 @@ def main(args: argparse.Namespace) -> int:
     except DatasetError as exc:
         print(f"export {args.dataset}: {exc}", file=sys.stderr)
         return exc.exit_status
+    except OSError as exc:
+        print(f"export {args.dataset}: {exc}; nothing was exported", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"export {args.dataset}: interrupted; nothing was exported", file=sys.stderr)
+        return 130
     for line in problems:
         print(f"{args.out}/{line}")
     print(f"export {args.dataset} -> {args.out} ({args.to}): {len(problems)} problem(s)", file=sys.stderr)

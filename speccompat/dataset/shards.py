@@ -373,6 +373,7 @@ def merge_dataset(out_dir: Path, threads: int = 4, *, command: str | None = None
     except Rejected as exc:
         raise Rejected(f"{exc}: merge when every shard has ended") from None
     with lock:
+        ddir.check_own_dirs()  # before anything is joined, deleted or moved
         parts = [ddir.manifest(n) for n in ddir.parts()]
         base = ddir.manifest()
         shared = ddir.read_json(HEADER_NAME)

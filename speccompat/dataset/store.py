@@ -109,6 +109,7 @@ def run_facts(ddir: DatasetDir, provenance: dict[str, Any]) -> tuple[list[int], 
     layer_ids, dtype = list(hs["layer_ids"]), hs["dtype"]
     layout = layout_named(provenance["layout"], layer_ids, provenance["model"].get("num_hidden_layers"))
     ddir.ensure()
+    ddir.check_own_dirs()
     return layer_ids, dtype, int(provenance["model"]["hidden_size"]), layout
 
 

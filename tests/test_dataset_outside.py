@@ -1,0 +1,228 @@
+"""Nothing outside the output directory is touched, and no half data set is left to pass a check:
+``export`` builds in a staging folder inside its output and moves it into place only once it
+verifies; every folder speccompat creates in a data set is made anew and a link there is refused
+(exit 2) before anything is deleted or moved."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from dataset_fakes import jsonl, model_dir, random_records
+from test_dataset import provenance, run, scan
+
+from speccompat.cli import main
+
+pytest.importorskip("torch", reason="the data set's writer")
+
+
+def snapshot(d):
+    """Every name under ``d`` (links not followed) with its bytes (files) or its target (links); a
+    lock file's content (the pid of its last holder) is left out."""
+    out = {}
+    for root, dirs, files in os.walk(d):
+        for n in dirs + files:
+            if n.endswith(".lock"):
+                out[n] = "lock"
+                continue
+            p = os.path.join(root, n)
+            rel = os.path.relpath(p, d)
+            if os.path.islink(p):
+                out[rel] = "-> " + os.readlink(p)
+            elif os.path.isfile(p):
+                with open(p, "rb") as f:
+                    out[rel] = f.read()
+            else:
+                out[rel] = "dir"
+    return out
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A folder outside every data set, with a sentinel file."""
+    d = tmp_path / "outside"
+    d.mkdir()
+    (d / "rows.arrow").write_bytes(b"sentinel: not a file of any data set")
+    (d / "keep.txt").write_text("sentinel")
+    return d
+
+
+def finished(root, layout="safetensors", n=6, seed=3):
+    model = model_dir(root)
+    samples = scan(jsonl(root / "d.jsonl", random_records(n, seed=seed)))
+    run(root / "src", samples, provenance(model, layout=layout), batch=2)
+    return root / "src", samples
+
+
+def corrupt_one(src):
+    entries = [json.loads(x) for x in (src / "manifest.jsonl").read_text().splitlines()[1:]]
+    victim = src / entries[len(entries) // 2]["file"]
+    raw = bytearray(victim.read_bytes())
+    raw[-3] ^= 0xFF  # a hidden-state byte: the checksum no longer matches
+    victim.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("to", ["safetensors", "speculators-arrow"])
+def test_an_export_from_a_source_with_one_corrupt_file_leaves_no_data_set(tmp_path, capsys, to):
+    src, _ = finished(tmp_path)
+    corrupt_one(src)
+    out = tmp_path / "new"
+    assert main(["export", str(src), "--to", to, str(out)]) == 2
+    assert "does not match the manifest" in capsys.readouterr().err
+    assert not out.exists()  # the directory it made is gone again: no half data set
+    out.mkdir()  # an empty directory given: left empty
+    assert main(["export", str(src), "--to", to, str(out)]) == 2
+    assert sorted(os.listdir(out)) == [] and not list(tmp_path.glob("new.*"))
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 2 and main(["merge", str(out)]) == 2
+
+
+def test_an_interrupted_export_is_refused_by_verify_and_merge_and_redone_by_the_next_export(tmp_path, monkeypatch):
+    from speccompat.dataset import export as ex_mod
+    from speccompat.dataset import verify_dataset
+
+    src, samples = finished(tmp_path)
+    out = tmp_path / "new"
+    real = ex_mod._read_source
+    calls = []
+
+    def dies(*a):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(ex_mod, "_read_source", dies)
+    assert main(["export", str(src), "--to", "safetensors", str(out)]) == 130
+    assert not out.exists()
+    # a process killed outright leaves its staging folder: the directory is no data set
+    out.mkdir()
+    (out / ".speccompat-export-staging").mkdir()
+    (out / ".speccompat-export-staging" / "manifest.jsonl").write_text("{}\n")
+    assert main(["verify", str(out)]) == 2 and main(["merge", str(out)]) == 2
+    monkeypatch.setattr(ex_mod, "_read_source", real)
+    assert main(["export", str(src), "--to", "safetensors", str(out)]) == 0
+    assert not (out / ".speccompat-export-staging").exists()
+    assert verify_dataset(out) == ([], len(samples))
+
+
+def test_export_into_a_file_or_a_non_empty_directory_or_over_the_source_is_refused(tmp_path, capsys):
+    src, _ = finished(tmp_path)
+    target = tmp_path / "a-file"
+    target.write_bytes(b"keep me")
+    assert main(["export", str(src), "--to", "safetensors", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not a directory" in err and "Traceback" not in err
+    assert target.read_bytes() == b"keep me"
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    assert main(["export", str(src), "--to", "safetensors", str(full)]) == 2
+    assert sorted(os.listdir(full)) == ["x"]
+    before = snapshot(src)
+    assert main(["export", str(src), "--to", "safetensors", str(src / "inner")]) == 2
+    assert "overlap" in capsys.readouterr().err and snapshot(src) == before
+
+
+def test_a_staging_link_pointing_outside_is_refused_and_the_outside_untouched(tmp_path, outside, capsys):
+    src, _ = finished(tmp_path)
+    out = tmp_path / "new"
+    out.mkdir()
+    os.symlink(outside, out / ".speccompat-export-staging")
+    before = snapshot(outside)
+    assert main(["export", str(src), "--to", "safetensors", str(out)]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert snapshot(outside) == before and os.path.islink(out / ".speccompat-export-staging")
+
+
+def test_export_to_speculators_04_keeps_its_token_frequencies_beside_and_never_replaces_one(tmp_path, capsys,
+                                                                                           monkeypatch):
+    from speccompat.dataset import speculators_format
+
+    # data_config.json is made by speculators' own code (tested with speculators in test_dataset_speculators)
+    monkeypatch.setattr(speculators_format, "_data_config", lambda entries, info: {"samples": len(entries)})
+    src, samples = finished(tmp_path)
+    out = tmp_path / "pt"
+    beside = tmp_path / "pt.token_freq.pt"
+    beside.write_bytes(b"someone's file")
+    assert main(["export", str(src), "--to", "speculators-0.4", str(out)]) == 2
+    assert "export does not replace it" in capsys.readouterr().err and beside.read_bytes() == b"someone's file"
+    assert not out.exists()
+    beside.unlink()
+    assert main(["export", str(src), "--to", "speculators-0.4", str(out)]) == 0
+    import torch
+
+    freq = torch.load(beside, weights_only=True)
+    want = {}
+    for s in samples:
+        for t, m in zip(s.input_ids, s.loss_mask, strict=True):
+            if m:
+                want[t] = want.get(t, 0) + 1
+    assert freq == want
+    assert not [n for n in os.listdir(out) if n.startswith(".speccompat-export")]
+
+
+# ---------------------------------------------------------------------------------------------
+# build folders: never followed
+# ---------------------------------------------------------------------------------------------
+
+def sharded_arrow(root):
+    from test_shards import run_shard
+
+    model = model_dir(root)
+    samples = scan(jsonl(root / "d.jsonl", random_records(8, seed=4)))
+    prov = provenance(model, layout="speculators-arrow")
+    for k in (0, 1):
+        run_shard(root / "out", samples, prov, k, 2)
+    return root / "out", samples, prov
+
+
+@pytest.mark.parametrize("name", [".speccompat-arrow-build", "hidden_states"])
+def test_a_linked_build_or_view_folder_makes_merge_refuse_before_anything_moves(tmp_path, outside, capsys, name):
+    pytest.importorskip("datasets", reason="the speculators-arrow layout")
+    out, _samples, _prov = sharded_arrow(tmp_path)
+    os.symlink(outside, out / name)
+    before, inside = snapshot(outside), snapshot(out)
+    assert main(["merge", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / name} is a symbolic link: refused" in err and "Traceback" not in err
+    assert snapshot(outside) == before  # nothing written, moved or deleted outside
+    assert snapshot(out) == inside  # nor inside: the parts are not joined yet
+    os.unlink(out / name)
+    assert main(["merge", str(out)]) == 0
+
+
+@pytest.mark.parametrize("name", [".speccompat-arrow-build", "hidden_states"])
+def test_a_linked_folder_in_a_finished_arrow_set_is_refused_by_the_finish_and_by_a_resume(tmp_path, outside, name):
+    pytest.importorskip("datasets", reason="the speculators-arrow layout")
+    from speccompat.dataset import Rejected, open_dataset, verify_dataset
+    from speccompat.dataset.directory import DatasetDir
+    from speccompat.dataset.finish import finish_dataset
+
+    src, samples = finished(tmp_path, layout="speculators-arrow")
+    assert verify_dataset(src) == ([], len(samples))
+    if name == "hidden_states":
+        import shutil
+
+        shutil.rmtree(src / name)
+    os.symlink(outside, src / name)
+    before, inside = snapshot(outside), snapshot(src)
+    with pytest.raises(Rejected, match="is a symbolic link: refused"):
+        finish_dataset(DatasetDir(src))
+    with pytest.raises(Rejected, match="is a symbolic link: refused"):
+        open_dataset(src, samples, provenance(model_dir(tmp_path), layout="speculators-arrow"))
+    assert snapshot(outside) == before and snapshot(src) == inside
+    problems, _n = verify_dataset(src)
+    assert any(p.startswith(f"{name} is a symbolic link") for p in problems), problems
+
+
+def test_a_folder_named_like_a_temporary_file_does_not_stop_a_run(tmp_path, caplog):
+    from speccompat.dataset import open_dataset
+
+    src, samples = finished(tmp_path)
+    (src / "x.safetensors.123.partial").mkdir()
+    ds = open_dataset(src, samples, provenance(model_dir(tmp_path)))
+    ds.close()
+    assert ds.todo == [] and "is a folder named like a temporary file" in caplog.text
+    assert (src / "x.safetensors.123.partial").is_dir()
