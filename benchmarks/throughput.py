@@ -47,6 +47,8 @@ warm-up pass of each workload, --warm-up, excluded):
              stream_results: stream() with views, samples admitted up to the token budget that
              --max-in-flight-gb gives, each written as soon as its last step ran); --driver-batch,
              which the driver no longer uses, only names the repeat
+  driver-stream-fp8, driver-stream-fp8-disk  the same writing --dtype fp8 (float8_e4m3fn and a
+             float32 scale per token, --fp8-scale; quantized on the writer's threads)
   driver-dp  --dp-size engines side by side (one GPU each share: --gpu-memory-utilization is
              split between them), each the driver mode on every dp-size-th sequence, started
              together once all are warm; tokens/s of the whole job (first start to last finish)
@@ -75,6 +77,9 @@ from pathlib import Path
 from _results import write  # benchmarks/_results.py
 
 LAYER_IDS = [0, 2, 4, 5]
+#: the modes that run the driver (the data set's writer behind the engine)
+DRIVER_MODES = ("driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-stream-fp8",
+                "driver-stream-fp8-disk")
 
 #: Named configurations: a checkpoint shape and workload measured on the H200 (docs/benchmarks.md).
 #: ``8b``: a Llama-3-8B-shaped random checkpoint (bf16, 13 GiB), 256 sequences of 256-768 tokens.
@@ -120,7 +125,11 @@ def run_mode(args: argparse.Namespace) -> dict:
             assert len(out) == len(batch)
     elif args.mode == "native":
         extract = native_extractor(args)
-    elif args.mode in ("driver", "driver-disk", "driver-stream", "driver-stream-disk"):
+    elif args.mode in DRIVER_MODES:
+        if args.driver_torch_threads:
+            import torch
+
+            torch.set_num_threads(args.driver_torch_threads)
         extract = driver_extractor(args)
     else:
         if args.mode == "original":
@@ -423,9 +432,11 @@ def driver_extractor(args: argparse.Namespace):
     gen = VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
                                     gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
     info = read_model_info(args.model_path)
-    prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=LAYER_IDS, dtype="bfloat16",
+    fp8 = "-fp8" in args.mode
+    prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=LAYER_IDS,
+                              dtype="fp8" if fp8 else "bfloat16", fp8_scale=args.fp8_scale if fp8 else None,
                               max_seq_len=args.max_model_len - 1, on_long_line="fail",
-                              tensor_parallel_size=args.tp, layout="safetensors", status=speccompat.status())
+                              tensor_parallel_size=args.tp, layout=args.driver_format, status=speccompat.status())
     from speccompat.dataset.extract import ExtractConfig, in_flight_tokens, stream_results
 
     streaming = args.mode.startswith("driver-stream")
@@ -684,7 +695,9 @@ def child_command(mode: str, args: argparse.Namespace, inputs: Path, out: Path, 
             "--gpu-memory-utilization", str(memory or args.gpu_memory_utilization), "--tp", str(args.tp),
             "--driver-dir", args.driver_dir, "--disk-dir", args.disk_dir, "--driver-batch", str(args.driver_batch),
             "--writer-threads", str(args.writer_threads), "--max-in-flight-gb", str(args.max_in_flight_gb),
-            "--warm-up", args.warm_up, "--page-cache", *args.page_cache,
+            "--warm-up", args.warm_up, "--page-cache", *args.page_cache, "--fp8-scale", args.fp8_scale,
+            "--driver-format", args.driver_format,
+            *(["--driver-torch-threads", str(args.driver_torch_threads)] if args.driver_torch_threads else []),
             *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else []),
             *(["--wake-probe"] if args.wake_probe else []),
             *(["--driver-batches", *map(str, args.driver_batches)] if args.driver_batches else []), *extra]
@@ -748,7 +761,15 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["generator", "plain"],
                     choices=["generator", "generator-on-stream", "generator-on-call", "generator-stream", "generator-views",
                              "generator-views-sync", "generator-views-async", "plain", "plain-sync", "original",
-                             "native", "driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-dp"])
+                             "native", *DRIVER_MODES, "driver-dp"])
+    ap.add_argument("--fp8-scale", choices=["token", "token-layer"], default="token",
+                    help="the fp8 driver modes: the scales' granularity (speccompat extract --fp8-scale)")
+    ap.add_argument("--driver-torch-threads", type=int, default=None, metavar="N",
+                    help="driver modes: torch.set_num_threads(N) in the driver's process before anything runs "
+                         "(the intra-op threads each writer thread's torch work, e.g. fp8 quantization, uses)")
+    ap.add_argument("--driver-format", choices=["safetensors", "speculators-arrow"], default="safetensors",
+                    help="driver modes: the layout written (speccompat extract --format; speculators-arrow: "
+                         "its sample files, the trainer's view is built at the end of a job and not timed here)")
     ap.add_argument("--driver-dir", default="/dev/shm/speccompat-bench" if os.path.isdir("/dev/shm") else
                     os.path.join(tempfile.gettempdir(), "speccompat-bench"), help="driver mode: output root")
     ap.add_argument("--disk-dir", default=os.path.join(tempfile.gettempdir(), "speccompat-bench-disk"),
@@ -877,17 +898,22 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
     for w in workloads:
         ratios[w["name"]] = {f"{mine}/{other}": round(g / t, 3) if g and t else None
                              for mine in ("generator", "generator-on-stream", "generator-on-call", "generator-stream",
-                                          "generator-views", "generator-views-sync", "generator-views-async", "driver", "driver-disk", "driver-stream",
-                                          "driver-stream-disk", "driver-dp")
+                                          "generator-views", "generator-views-sync", "generator-views-async",
+                                          *DRIVER_MODES, "driver-dp")
                              for g in [tps(mine, w["name"])]
                              for other in ("plain", "plain-sync", "generator", "generator-views", "generator-views-sync",
-                                           "original", "native", "driver")
+                                           "original", "native", "driver", "driver-stream", "driver-stream-disk")
                              for t in [tps(other, w["name"])] if mine != other}
         ratios[w["name"]] = {k: v for k, v in ratios[w["name"]].items() if v is not None}
-    bytes_per_token = len(LAYER_IDS) * 2 * hidden_size(args)
-    # the driver modes' extra batch sizes ("main, batch=B") against the same workload's plain prefill,
-    # and each disk pass against the probe taken right after it (the disk of the same minute)
-    for mine in ("driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-dp"):
+    def bytes_per_token(mode: str) -> int:  # the hidden states' bytes (fp8: one byte a value, a 4-byte scale)
+        if "-fp8" in mode:
+            return len(LAYER_IDS) * hidden_size(args) + 4 * (len(LAYER_IDS) if args.fp8_scale == "token-layer" else 1)
+        return len(LAYER_IDS) * 2 * hidden_size(args)
+
+    # the driver modes' extra batch sizes ("main, batch=B") against the same workload's plain prefill
+    # and the bf16 driver of the same batch size, and each disk pass against the probe taken right
+    # after it (the disk of the same minute)
+    for mine in (*DRIVER_MODES, "driver-dp"):
         for r in results.get(mine, {}).get("workloads", []):
             suffix = PAGE_CACHE_SUFFIX.get(r.get("page_cache", "drop"), "")
             name, _, b = r["workload"].removesuffix(suffix).partition(", batch=")
@@ -895,17 +921,25 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
             plain, got, after = tps("plain", name), r.get("tokens_per_s"), r.get("disk_parallel_after_gbps")
             if (b or suffix) and plain and got:
                 ratios.setdefault(name, {})[f"{label}/plain"] = round(got / plain, 3)
-            if after and got and bytes_per_token:
+            if "-fp8" in mine and got:  # against the bf16 driver's run of the same name
+                bf16_mode = mine.replace("-fp8", "")
+                same = next((x.get("tokens_per_s") for x in results.get(bf16_mode, {}).get("workloads", [])
+                             if x["workload"] == r["workload"]), None)
+                if same:
+                    ratios.setdefault(name, {})[f"{label}/{bf16_mode}" + (f" batch={b}" if b else "") + suffix] = \
+                        round(got / same, 3)
+            if after and got and bytes_per_token(mine):
                 ratios.setdefault(name, {})[f"{label} GB/s / parallel disk after GB/s"] = round(
-                    got * bytes_per_token / 1e9 / after, 3)
+                    got * bytes_per_token(mine) / 1e9 / after, 3)
     for w in workloads:  # against the probes taken before the modes
-        for disk_mode in ("driver-disk", "driver-stream-disk"):
+        for disk_mode in ("driver-disk", "driver-stream-disk", "driver-stream-fp8-disk"):
             d = tps(disk_mode, w["name"])
             for probe, label in (("disk_write_gbps", "disk"), ("disk_parallel_write_gbps", "parallel disk"),
                                  ("disk_parallel_drop_cache_gbps", "parallel disk, pages dropped")):
                 disk = results.get("disk", {}).get(probe)
-                if d and disk and bytes_per_token:
-                    ratios[w["name"]][f"{disk_mode} GB/s / {label} GB/s"] = round(d * bytes_per_token / 1e9 / disk, 3)
+                if d and disk and bytes_per_token(disk_mode):
+                    ratios[w["name"]][f"{disk_mode} GB/s / {label} GB/s"] = round(
+                        d * bytes_per_token(disk_mode) / 1e9 / disk, 3)
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
@@ -918,6 +952,9 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
         "tokens": sum(map(len, main_seqs)),
         "lengths": [args.min_len, args.max_len],
         "warm_up": args.warm_up,
+        "driver_format": args.driver_format,
+        **({"driver_torch_threads": args.driver_torch_threads} if args.driver_torch_threads else {}),
+        **({"fp8_scale": args.fp8_scale} if any("-fp8" in m for m in results) else {}),
         "results": results,
         "ratios": ratios,
     }

@@ -117,14 +117,24 @@ class ArrowLayout(Layout):
     def is_sample_file(self, name: str) -> bool:
         return name.endswith(self.suffix)
 
-    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any) -> list[tuple[str, Any]]:
+    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any,
+                fp8_scale: str | None = None) -> list[tuple[str, Any]]:
+        """``fp8_scale``: hs-connectors' fp8 schema instead (``hidden_states`` float8_e4m3fn and
+        ``hidden_states_scales`` float32, :mod:`speccompat.dataset.fp8`)."""
         import torch
 
         check_layers(layer_ids)
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.num_tokens
-        stacked = torch.stack([h if h.dtype == dtype else h.to(dtype) for h in hidden_states], dim=1)
+        scales = []
+        if fp8_scale is not None:
+            from .fp8 import SCALES, quantize
+
+            stacked, s = quantize(hidden_states, fp8_scale, stack=True)
+            scales = [(SCALES, s)]
+        else:
+            stacked = torch.stack([h if h.dtype == dtype else h.to(dtype) for h in hidden_states], dim=1)
         return [("input_ids", torch.as_tensor(sample.input_ids, dtype=torch.int64)),
-                ("hidden_states", stacked),
+                ("hidden_states", stacked), *scales,
                 ("loss_mask", torch.as_tensor(mask, dtype=torch.int64))]
 
     def expected_tensors(self, n: int, layer_ids: list[int], hidden: int, has_mask: bool) -> dict[str, list[int]]:

@@ -406,12 +406,30 @@ def _frombuffer(buf: memoryview, dtype: Any) -> Any:
         return torch.frombuffer(buf, dtype=dtype)
 
 
+def _check_scales(name: str, dtype: str, buf: memoryview, granularity: str | None) -> list[str]:
+    """Problems of an fp8 sample's ``hidden_states_scales``: float32, finite, positive."""
+    import torch
+
+    from . import fp8
+
+    if granularity is None:
+        return [f"{name}: {fp8.SCALES} in a data set that is not fp8"]
+    if dtype != "F32":
+        return [f"{name}: {fp8.SCALES} is {dtype}, expected F32"]
+    if len(buf) % 4:
+        return []  # the size check names it
+    s = _frombuffer(buf, torch.float32) if len(buf) else torch.empty(0)
+    bad = int((~torch.isfinite(s) | (s <= 0)).sum())
+    return [f"{name}: {fp8.SCALES} has {bad} value(s) that are not finite and positive"] if bad else []
+
+
 def _verify_contents(name: str, entry: dict[str, Any], layout: Any, meta: dict[str, Any],
                      tensors: dict[str, Any], prov: dict[str, Any], prov_sha: str | None) -> list[str]:
     """The verify level's checks beyond the entry: shapes from the provenance, finiteness, the
     input's hash, the embedded provenance and id."""
     import torch
 
+    from . import fp8
     from .formats import DTYPES
     from .inputs import input_digest
 
@@ -421,12 +439,22 @@ def _verify_contents(name: str, entry: dict[str, Any], layout: Any, meta: dict[s
     n = entry["num_tokens"]
     st_dtype = DTYPES[prov["hidden_states"]["dtype"]][1]
     expected = layout.expected_tensors(n, layer_ids, hidden, "loss_mask" in entry["tensors"] or "loss_mask" in tensors)
+    granularity = fp8.granularity_of(prov)
+    if granularity is not None:  # fp8: the scales beside the states
+        expected[fp8.SCALES] = fp8.scales_shape(n, len(layer_ids), granularity)
     if set(tensors) != set(expected):
         p.append(f"{name}: tensors {sorted(tensors)}, expected {sorted(expected)}")
     torch_of = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
     for t, (dtype, shape, buf) in sorted(tensors.items()):
         if t in expected and shape != expected[t]:
             p.append(f"{name}: {t} has shape {shape}, expected {expected[t]}")
+        if t == fp8.SCALES:
+            p += _check_scales(name, dtype, buf, granularity)
+            continue
+        if t.startswith("hidden_states") and dtype == "F8_E4M3" and len(buf):
+            nan = int(((_frombuffer(buf, torch.uint8) & 0x7F) == 0x7F).sum())  # e4m3fn's NaN: S.1111.111
+            if nan:
+                p.append(f"{name}: {t} has {nan} NaN values")
         if t.startswith("hidden_states") and dtype != st_dtype:
             p.append(f"{name}: {t} is {dtype}, the data set stores {st_dtype}")
         if t.startswith("hidden_states") and dtype in torch_of and len(buf) % torch_of[dtype].itemsize == 0 \

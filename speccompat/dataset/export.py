@@ -4,7 +4,8 @@ Streams over the source's samples in input order (each file read once, memory-ma
 against its manifest checksums; at most ``max_in_flight_bytes`` of samples in memory), writes them
 through the same writer as an extraction (atomic files, checksums, provenance), builds the layout's
 side files, then verifies the result. The new provenance is the source's with the new layout and
-``exported_from`` (the source's path, layout and provenance digest). A conversion that would lose
+``exported_from`` (the source's path, layout, dtype and provenance digest); ``--dtype`` converts
+bfloat16 <-> fp8 (:mod:`speccompat.dataset.fp8`) on the way. A conversion that would lose
 or misnumber a layer is refused before anything is written, naming the layer: to
 ``speculators-arrow`` the layers are stacked ascending and the last must be the final decoder layer.
 """
@@ -68,8 +69,8 @@ class _Sample:
         return len(self.input_ids)
 
 
-def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, layer_ids: list[int]
-                 ) -> tuple[_Sample, dict[int, Any]]:
+def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, layer_ids: list[int],
+                 dequantize_dtype: Any = None) -> tuple[_Sample, dict[int, Any]]:
     from .inputs import input_digest
 
     path = src / entry["file"]
@@ -84,7 +85,7 @@ def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, lay
             raise Rejected(f"{path}: tensor {name} does not match the manifest; run `speccompat verify {src}`")
     try:
         tensors = {n: tensor_from(*v) for n, v in raw.items()}
-        ids_t, mask_t, layers = decode_sample(layout.name, tensors, layer_ids)
+        ids_t, mask_t, layers = decode_sample(layout.name, tensors, layer_ids, dtype=dequantize_dtype)
         ids = ids_t.tolist()
         mask = mask_t.tolist() if mask_t is not None else None
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
@@ -107,7 +108,7 @@ def _is_within(inner: Path, outer: Path) -> bool:
 
 
 def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_flight_bytes: int = 2 << 30,
-                   progress: bool = True) -> list[str]:
+                   progress: bool = True, dtype: str | None = None, fp8_scale: str | None = None) -> list[str]:
     """Convert ``src`` to layout ``to`` (a key of :data:`EXPORT_FORMATS`) in the new directory ``out``;
     returns ``verify``'s problems of the result (empty: intact, and in place). Raises :class:`Rejected`
     when the conversion is not possible or a source file is not as its manifest says.
@@ -117,9 +118,15 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
     ``out`` as it was (empty), an interrupted one leaves only that folder, which ``verify`` and
     ``merge`` refuse (``out`` has no manifest) and the next export removes. Nothing outside ``out``
     is written, but for the speculators-0.4 layout's token-frequency file, which that layout keeps
-    beside the directory (``<out>.token_freq.pt``; an existing one is refused, not replaced)."""
+    beside the directory (``<out>.token_freq.pt``; an existing one is refused, not replaced).
+
+    ``dtype``: the stored dtype of the result (default: the source's); ``fp8``: quantized with
+    ``fp8_scale`` scales (default: the source's granularity, else per token). An fp8 source is
+    dequantized exactly (into float32) first, so that an fp8 -> fp8 export of the same granularity
+    stores the same values and scales."""
     from tqdm import tqdm
 
+    from . import fp8
     from .store import OpenDataset
     from .verify import verify_dataset
 
@@ -139,6 +146,12 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
     target = EXPORT_FORMATS[to]
     num_layers = prov.get("model", {}).get("num_hidden_layers")
     layer_ids = _plan_layers(src_layer_ids, num_layers, target)
+    src_dtype = prov["hidden_states"]["dtype"]
+    dtype = dtype or src_dtype
+    scale = fp8_scale or fp8.granularity_of(prov) or fp8.DEFAULT_GRANULARITY
+    if why := fp8.refuse(dtype, target):
+        raise Rejected(why + ("" if dtype != src_dtype else f" (the source is {src_dtype}: pass --dtype bfloat16 "
+                                                              "to dequantize it)"))
     if os.path.lexists(out) and not out.is_dir():
         raise Rejected(f"{out} exists and is not a directory: export writes a new data set into a directory")
     if _is_within(out, src) or _is_within(src, out):
@@ -158,7 +171,8 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
         with ddir.lock(busy=f"another command is writing to {out}"):
             problems = _export_staged(src, m, src_layout, src_layer_ids, to, ddir, layout, layer_ids, prov,
                                       freq_final, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
-                                      progress=progress, tqdm=tqdm, open_dataset=OpenDataset, verify=verify_dataset)
+                                      progress=progress, tqdm=tqdm, open_dataset=OpenDataset, verify=verify_dataset,
+                                      dtype=dtype, fp8_scale=scale)
     except BaseException:
         with contextlib.suppress(OSError):  # nothing this export made is left
             if not had_lock:
@@ -171,8 +185,14 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
 
 def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[int], to: str, ddir: DatasetDir,
                    layout: Any, layer_ids: list[int], prov: dict[str, Any], freq_final: Path | None, *, threads: int,
-                   max_in_flight_bytes: int, progress: bool, tqdm: Any, open_dataset: Any, verify: Any) -> list[str]:
+                   max_in_flight_bytes: int, progress: bool, tqdm: Any, open_dataset: Any, verify: Any,
+                   dtype: str, fp8_scale: str) -> list[str]:
+    import torch
+
+    from . import fp8
+
     out = ddir.root
+    src_dtype = prov["hidden_states"]["dtype"]
     if os.path.lexists(ddir.path(EXPORT_STAGING)):
         logger.info("%s: removing %s, left by an interrupted export", out, EXPORT_STAGING)
         ddir.remove_own_dir(EXPORT_STAGING)
@@ -183,7 +203,11 @@ def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[
         new_prov = copy.deepcopy(prov)
         new_prov["layout"] = target
         new_prov["hidden_states"]["layer_ids"] = layer_ids
-        new_prov["exported_from"] = {"path": str(src.resolve()), "layout": m.header["layout"],
+        new_prov["hidden_states"]["dtype"] = dtype
+        new_prov["hidden_states"].pop("fp8", None)
+        if dtype == fp8.FP8:
+            new_prov["hidden_states"]["fp8"] = fp8.describe(fp8_scale)
+        new_prov["exported_from"] = {"path": str(src.resolve()), "layout": m.header["layout"], "dtype": src_dtype,
                                      "provenance_sha256": m.header.get("provenance_sha256") or prov_mod.digest(prov),
                                      "entries": len(m.entries)}
         manifest = Manifest(stage.root)
@@ -192,15 +216,17 @@ def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[
         manifest.rewrite()
         entries = sorted(m.entries.values(), key=lambda e: (e.get("line", 0), str(e["id"])))
         files: dict[str, str] = {}
-        ds = open_dataset(stage.root, layout, manifest, new_prov, [], [], files, 0, layer_ids,
-                          prov["hidden_states"]["dtype"], int(prov["model"]["hidden_size"]))
+        ds = open_dataset(stage.root, layout, manifest, new_prov, [], [], files, 0, layer_ids, dtype,
+                          int(prov["model"]["hidden_size"]))
+        # an fp8 source: its values exactly (fp8 * scale in float32), then cast or quantized again
+        exact = torch.float32 if src_dtype == fp8.FP8 else None
         digest = digest_fn(m.header["checksum"])
         logger.info("export %s (%s, %d samples) -> %s (%s, layers %s)", src, m.header["layout"], len(entries), out,
                     target, layer_ids)
-        with ds.writer(threads=threads, max_in_flight_bytes=max_in_flight_bytes, check_cast=False) as w:
+        with ds.writer(threads=threads, max_in_flight_bytes=max_in_flight_bytes, check_cast=dtype != src_dtype) as w:
             for k, e in enumerate(tqdm(entries, desc=f"export {src.name} -> {to}", unit="sample",
                                        disable=not progress)):
-                sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids)
+                sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids, exact)
                 files[sample.id] = layout.file_name(sample.id, k)
                 w.submit([ds.job(sample, [by_layer[i] for i in layer_ids])])
         if w.failed:
@@ -238,6 +264,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="speculators-arrow: speculators >= 0.5 (Arrow + hidden_states/hs_<row>.safetensors); "
                         "speculators-0.4: data_<i>.pt for 0.3/0.4; safetensors: speccompat's default")
     e.add_argument("out", type=Path, help="the new data set's directory (must not exist, or be empty)")
+    e.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "fp8"), default=None,
+                   help="stored dtype of the result (default: the source's); fp8 <-> bfloat16 converts "
+                        "(fp8: float8_e4m3fn with float32 scales, as speccompat extract --dtype fp8)")
+    e.add_argument("--fp8-scale", choices=("token", "token-layer"), default=None,
+                   help="--dtype fp8: the scales' granularity (default: the source's, else token)")
     e.add_argument("--threads", type=int, default=4, help="files written and verified in parallel")
     e.add_argument("--max-in-flight-bytes", type=int, default=2 << 30,
                    help="bound on the samples held in memory while they are written")
@@ -247,7 +278,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     try:
         problems = export_dataset(args.dataset, args.to, args.out, threads=args.threads,
-                                  max_in_flight_bytes=args.max_in_flight_bytes)
+                                  max_in_flight_bytes=args.max_in_flight_bytes, dtype=args.dtype,
+                                  fp8_scale=args.fp8_scale)
     except Rejected as exc:
         print(f"export {args.dataset}: {exc}", file=sys.stderr)
         return 2

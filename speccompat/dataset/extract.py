@@ -77,8 +77,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--limit", type=positive_int, default=None, help="use only the first N valid samples")
     ap.add_argument("--overwrite", action="store_true",
                     help="start the data set anew: redo every sample, also when the model or settings changed")
-    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                    help="dtype of the saved hidden states (the model runs in its checkpoint dtype)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "fp8"), default="bfloat16",
+                    help="dtype of the saved hidden states (the model runs in its checkpoint dtype); fp8: "
+                         "float8_e4m3fn with float32 scales, hs-connectors' fp8 schema (speculators >= 0.9 "
+                         "reads it with --hidden-states-backend fp8), about half the bytes of bfloat16; "
+                         "not for --format speculators (0.3/0.4 cannot read it); docs/dataset.md")
+    ap.add_argument("--fp8-scale", choices=("token", "token-layer"), default="token",
+                    help="--dtype fp8: one scale per token over all stored layers ([n,1,1], hs-connectors' own), "
+                         "or one per token and layer ([n,layers,1]: 4 more bytes per token and layer)")
     ap.add_argument("--on-bad-line", choices=("skip", "fail"), default="fail",
                     help="corrupt input lines: skip them with a warning, or stop before the engine starts")
     ap.add_argument("--on-long-line", choices=("truncate", "skip", "fail"), default="truncate",
@@ -168,6 +174,7 @@ class ExtractConfig:
     limit: int | None = None
     overwrite: bool = False
     dtype: str = "bfloat16"
+    fp8_scale: str = "token"
     on_bad_line: str = "fail"
     on_long_line: str = "truncate"
     writer_threads: int = dataclasses.field(default_factory=default_writer_threads)
@@ -320,6 +327,10 @@ def check_settings(cfg: ExtractConfig) -> Any:
             layout_named(cfg.format, layer_ids, info.num_layers)
         except Rejected as exc:
             problems.append(str(exc))
+    from speccompat.dataset.fp8 import refuse
+
+    if why := refuse(cfg.dtype, cfg.format):  # a torch without float8_e4m3fn; the 0.3/0.4 layout
+        problems.append(why)
     if problems:
         raise Rejected("the settings do not fit the model (nothing was started or written):\n  "
                        + "\n  ".join(problems))
@@ -483,7 +494,8 @@ def extract(args: ExtractConfig) -> int:
     report_scan(scan, args.max_seq_len)
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=layer_ids, dtype=args.dtype,
                               max_seq_len=args.max_seq_len, on_long_line=args.on_long_line,
-                              tensor_parallel_size=args.tp_size, layout=args.format, status=status)
+                              tensor_parallel_size=args.tp_size, layout=args.format, status=status,
+                              fp8_scale=args.fp8_scale if args.dtype == "fp8" else None)
     extra = {"train_data_path": str(args.prepared_data), "gpu_memory_utilization": args.gpu_memory_utilization,
              "max_samples": args.limit}
     if shard.num_shards > 1:

@@ -29,9 +29,12 @@ __all__ = ["DTYPES", "SAFETENSORS", "SPECULATORS", "Encoded", "Layout", "encode_
            "read_safetensors", "tensor_buffer"]
 
 #: --dtype -> (bytes per element, safetensors dtype name, torch dtype name)
-DTYPES = {"bfloat16": (2, "BF16", "bfloat16"), "float16": (2, "F16", "float16"), "float32": (4, "F32", "float32")}
+DTYPES = {"bfloat16": (2, "BF16", "bfloat16"), "float16": (2, "F16", "float16"), "float32": (4, "F32", "float32"),
+          # float8_e4m3fn with float32 scales (speccompat.dataset.fp8); 4 more bytes a token (a token's scale)
+          "fp8": (1, "F8_E4M3", "float8_e4m3fn")}
 _ST_NAME = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64", "int32": "I32", "int8": "I8",
-            "uint8": "U8", "float64": "F64"}
+            "uint8": "U8", "float64": "F64",
+            "float8_e4m3fn": "F8_E4M3"}
 SAFETENSORS, SPECULATORS = "safetensors", "speculators"
 #: the layouts this version writes and reads
 ARROW = "speculators-arrow"
@@ -150,12 +153,22 @@ class Layout:
     def is_sample_file(self, name: str) -> bool:
         return name.endswith(self.suffix)
 
-    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any) -> list[tuple[str, Any]]:
+    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any,
+                fp8_scale: str | None = None) -> list[tuple[str, Any]]:
+        """The named tensors of one sample's file; ``fp8_scale``: quantize to fp8 with scales of this
+        granularity (:mod:`speccompat.dataset.fp8`) instead of casting to ``dtype``."""
         import torch
 
         named = [("input_ids", torch.tensor(sample.input_ids, dtype=torch.int64))]
         if sample.loss_mask is not None:
             named.append(("loss_mask", torch.tensor(sample.loss_mask, dtype=torch.int64)))
+        if fp8_scale is not None:
+            from .fp8 import SCALES, quantize
+
+            if len(layer_ids) != len(hidden_states):
+                raise ValueError(f"{len(hidden_states)} hidden-state tensors for {len(layer_ids)} layer ids")
+            q, scales = quantize(hidden_states, fp8_scale, stack=False)
+            return [*named, *((f"hidden_states_{i}", t) for i, t in zip(layer_ids, q, strict=True)), (SCALES, scales)]
         named += [(f"hidden_states_{i}", h if h.dtype == dtype else h.to(dtype))
                   for i, h in zip(layer_ids, hidden_states, strict=True)]
         return named
@@ -187,6 +200,13 @@ class Layout:
         The safetensors layout has none."""
 
 
+#: why the speculators 0.3/0.4 layout refuses fp8
+FP8_SPECULATORS_04 = ("--dtype fp8 cannot be read by speculators 0.3/0.4 (--format speculators / --to speculators-0.4): "
+                      "their Eagle3SampleFileDataset casts the stored tensors with .to(dtype) and knows no scale, so "
+                      "it would train on unscaled fp8 values; use --format speculators-arrow (speculators >= 0.9 "
+                      "reads it with FP8Transfer) or safetensors, or --dtype bfloat16")
+
+
 class SpeculatorsLayout(Layout):
     name = SPECULATORS
     suffix = ".pt"
@@ -199,9 +219,12 @@ class SpeculatorsLayout(Layout):
     def is_sample_file(self, name: str) -> bool:
         return name.startswith("data_") and name.endswith(".pt")
 
-    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any) -> list[tuple[str, Any]]:
+    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any,
+                fp8_scale: str | None = None) -> list[tuple[str, Any]]:
         import torch
 
+        if fp8_scale is not None:  # refused before anything starts (fp8.refuse_layout); never written
+            raise ValueError(FP8_SPECULATORS_04)
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.num_tokens
         named = [("input_ids", torch.tensor(sample.input_ids, dtype=torch.long)),
                  ("loss_mask", torch.tensor(mask, dtype=torch.long))]

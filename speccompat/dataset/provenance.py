@@ -189,7 +189,7 @@ def _now() -> str:
 
 def collect(*, model_path: str, info: ModelInfo, layer_ids: list[int], dtype: str, max_seq_len: int,
             on_long_line: str, tensor_parallel_size: int, layout: str, status: Any = None,
-            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+            extra: dict[str, Any] | None = None, fp8_scale: str | None = None) -> dict[str, Any]:
     """The provenance of a run. ``status``: ``speccompat.status()`` (or its ``as_dict()``) after
     speculators' generator module was imported, so that its patches are listed."""
     st = status.as_dict() if hasattr(status, "as_dict") else (status or {})
@@ -225,6 +225,10 @@ def collect(*, model_path: str, info: ModelInfo, layer_ids: list[int], dtype: st
         "layout": layout,
         "created": _now(),
     }
+    if dtype == "fp8":  # the scales' granularity and the exact dequantize rule (speccompat.dataset.fp8)
+        from .fp8 import DEFAULT_GRANULARITY, describe
+
+        prov["hidden_states"]["fp8"] = describe(fp8_scale or DEFAULT_GRANULARITY)
     if extra:
         prov.update(extra)
     return prov

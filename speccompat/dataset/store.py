@@ -84,6 +84,9 @@ class OpenDataset:
     def writer(self, *, threads: int = 4, max_in_flight_bytes: int = 8 << 30, **kw: Any) -> DatasetWriter:
         import torch
 
+        from .fp8 import granularity_of
+
+        kw.setdefault("fp8_scale", granularity_of(self.provenance))
         return DatasetWriter(self.out_dir, self.layout, self.manifest, layer_ids=self.layer_ids,
                              dtype=getattr(torch, DTYPES[self.dtype][2]), checksum=self.checksum, threads=threads,
                              max_in_flight_bytes=max_in_flight_bytes, **kw)
@@ -99,7 +102,8 @@ class OpenDataset:
 
 def expected_bytes(samples: list[Sample], n_layers: int, hidden: int, dtype: str) -> int:
     per = DTYPES[dtype][0]
-    return sum(n_layers * s.num_tokens * hidden * per + 16 * s.num_tokens + 4096 for s in samples)
+    scales = 4 * n_layers if dtype == "fp8" else 0  # float32 scales, at most one per token and layer
+    return sum(n_layers * s.num_tokens * hidden * per + (16 + scales) * s.num_tokens + 4096 for s in samples)
 
 
 def run_facts(ddir: DatasetDir, provenance: dict[str, Any]) -> tuple[list[int], str, int, Layout]:
@@ -108,6 +112,10 @@ def run_facts(ddir: DatasetDir, provenance: dict[str, Any]) -> tuple[list[int], 
     hs = provenance["hidden_states"]
     layer_ids, dtype = list(hs["layer_ids"]), hs["dtype"]
     layout = layout_named(provenance["layout"], layer_ids, provenance["model"].get("num_hidden_layers"))
+    from .fp8 import refuse
+
+    if why := refuse(dtype, layout.name):
+        raise Rejected(why)
     ddir.ensure()
     ddir.check_own_dirs()
     return layer_ids, dtype, int(provenance["model"]["hidden_size"]), layout

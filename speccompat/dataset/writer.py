@@ -1,8 +1,9 @@
 """The background writer: samples are written on a few threads while the engine computes the next
 batch; the caller waits only when more than ``max_in_flight_bytes`` of results are not yet written.
 
-Per sample (on a writer thread): cast to the stored dtype if needed, encode (safetensors header +
-the tensors' own buffers; or ``torch.save`` for the speculators layout), reserve the space, write,
+Per sample (on a writer thread): cast to the stored dtype if needed (or quantize to fp8 with its
+scales, :mod:`speccompat.dataset.fp8`), encode (safetensors header + the tensors' own buffers; or
+``torch.save`` for the speculators layout), reserve the space, write,
 checksum each tensor's buffer, fsync, into ``<file>.<pid>.partial``, then drop the file's pages from
 the page cache (:meth:`FileOps.drop_cache`): nobody reads them again soon, and on a virtual machine
 that hands memory left free for a few seconds back to its host, every new cached page costs a fault
@@ -91,9 +92,11 @@ class DatasetWriter:
 
     def __init__(self, out_dir: Path, layout: Layout, manifest: Manifest, *, layer_ids: list[int], dtype: Any,
                  checksum: str, threads: int = 4, max_in_flight_bytes: int = 8 << 30, ops: FileOps | None = None,
-                 check_cast: bool = True, on_commit: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+                 check_cast: bool = True, on_commit: Callable[[list[dict[str, Any]]], None] | None = None,
+                 fp8_scale: str | None = None) -> None:
         self.out_dir, self.layout, self.manifest = Path(out_dir), layout, manifest
         self.layer_ids, self.dtype, self.check_cast = list(layer_ids), dtype, check_cast
+        self.fp8_scale = fp8_scale  # quantize to fp8 with scales of this granularity (speccompat.dataset.fp8)
         self.checksum_name, self.digest = checksum, digest_fn(checksum)
         self.ops = ops or FileOps()
         self.manifest.ops = self.ops  # the manifest append is one of the writer's file operations
@@ -205,8 +208,12 @@ class DatasetWriter:
         t0 = time.perf_counter()
         # the manifest must take the entry: a sample it cannot encode fails here, alone, not in the commit
         entry_json({**job.entry, "file": job.file}).encode("utf-8")
-        named = self.layout.tensors(job.sample, job.hidden_states, self.layer_ids, self.dtype)
-        if self.check_cast:
+        if self.fp8_scale is not None:  # quantize() refuses a non-finite state; fp8 values never overflow
+            named = self.layout.tensors(job.sample, job.hidden_states, self.layer_ids, self.dtype,
+                                        fp8_scale=self.fp8_scale)
+        else:
+            named = self.layout.tensors(job.sample, job.hidden_states, self.layer_ids, self.dtype)
+        if self.check_cast and self.fp8_scale is None:
             src = {h.dtype for h in job.hidden_states}
             if src != {self.dtype}:  # a cast may overflow (float32 -> float16): check what is stored
                 for name, t in named:
