@@ -113,6 +113,8 @@ def test_fp8_files_follow_hs_connectors_schema(tmp_path):
     assert torch.equal(t["hidden_states_scales"], (amax / 448).to(torch.bfloat16).float())
     assert float(t["hidden_states"].float().abs().amax()) == 448.0  # each token's largest value uses the range
     assert within_fp8(t["hidden_states"].float() * t["hidden_states_scales"], ref, t["hidden_states_scales"])
+    view = json.loads((tmp_path / "out" / "speccompat_arrow.json").read_text())
+    assert view["trainer"].startswith("speculators >= 0.9: --hidden-states-backend fp8")
 
 
 def test_per_token_layer_scales_follow_each_layer(tmp_path):
@@ -290,3 +292,33 @@ def test_export_converts_bf16_and_fp8_both_ways_and_verifies(tmp_path):
     with pytest.raises(Rejected, match=r"knows no scale.*pass --dtype bfloat16 to dequantize it"):
         export_dataset(tmp_path / "q2", "speculators-0.4", tmp_path / "pt", progress=False)
     assert not (tmp_path / "pt").exists()
+
+
+def test_fp8_shards_merge_and_check_draft_facts(tmp_path):
+    """Shards of an fp8 speculators-arrow set merge into one that verifies, whose rows the reader
+    dequantizes; check-draft takes the layer ids from its provenance as from a bf16 set's."""
+    pytest.importorskip("datasets")
+    import argparse
+
+    from test_shards import run_shard
+
+    from speccompat.dataset import verify_dataset
+    from speccompat.dataset.check_draft import dataset_layers
+    from speccompat.dataset.reader import HiddenStatesDataset
+    from speccompat.dataset.shards import main as merge_main
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(7, seed=4)))
+    prov = provenance(model, layout="speculators-arrow", dtype="fp8", fp8_scale="token")
+    for k in (1, 0):
+        run_shard(tmp_path / "out", samples, prov, k, 2)
+    args = argparse.Namespace(dir=tmp_path / "out", threads=2, no_verify=False, inputs=None, limit=None,
+                              token_freq_path=None)
+    assert merge_main(args) == 0
+    assert verify_dataset(tmp_path / "out") == ([], 7)
+    r = HiddenStatesDataset(tmp_path / "out")
+    for k, s in enumerate(samples):
+        assert r[k]["input_ids"].tolist() == list(s.input_ids)
+        for got, want in zip(r[k]["hidden_states"], states(s), strict=True):
+            assert within_fp8(got, want, torch.stack(states(s), 1).float().abs().amax(dim=(1, 2))[:, None] / 448)
+    assert dataset_layers(tmp_path / "out").layer_ids == LAYERS

@@ -190,12 +190,16 @@ class ArrowLayout(Layout):
         finally:
             writer.close()
         _save(Dataset.from_file(str(build / "rows.arrow")), build / "arrow")
+        fp8 = ((info.get("provenance") or {}).get("hidden_states") or {}).get("dtype") == "fp8"
         view = {"format": ARROW, "rows": rows, **layer_semantics(self.layer_ids),
-                "trainer": "speculators >= 0.5: --data-path DIR (0.8+: --on-missing raise), "
+                "trainer": ("speculators >= 0.9: --hidden-states-backend fp8 (FP8Transfer dequantizes; the default "
+                            "'file' backend would not), " if fp8 else "speculators >= 0.5: ")
+                           + "--data-path DIR (0.8+: --on-missing raise), "
                            "--target-layer-ids " + " ".join(str(i + 1) for i in self.layer_ids[:-1])}
         _swap_in(out_dir, build, dict(token_freq()), view)
-        logger.info("%s: Arrow dataset of %d rows for speculators >= 0.5; train with --target-layer-ids %s",
-                    out_dir, len(rows), " ".join(str(i + 1) for i in self.layer_ids[:-1]))
+        logger.info("%s: Arrow dataset of %d rows for speculators %s; train with --target-layer-ids %s%s",
+                    out_dir, len(rows), ">= 0.9" if fp8 else ">= 0.5", " ".join(str(i + 1) for i in self.layer_ids[:-1]),
+                    " --hidden-states-backend fp8" if fp8 else "")
 
     def derived_names(self, root: Path) -> set[str]:
         """The names the trainer's view owns in ``root``."""
