@@ -905,9 +905,11 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
                                            "original", "native", "driver", "driver-stream", "driver-stream-disk")
                              for t in [tps(other, w["name"])] if mine != other}
         ratios[w["name"]] = {k: v for k, v in ratios[w["name"]].items() if v is not None}
+    fp8_scale = getattr(args, "fp8_scale", "token")
+
     def bytes_per_token(mode: str) -> int:  # the hidden states' bytes (fp8: one byte a value, a 4-byte scale)
         if "-fp8" in mode:
-            return len(LAYER_IDS) * hidden_size(args) + 4 * (len(LAYER_IDS) if args.fp8_scale == "token-layer" else 1)
+            return len(LAYER_IDS) * hidden_size(args) + 4 * (len(LAYER_IDS) if fp8_scale == "token-layer" else 1)
         return len(LAYER_IDS) * 2 * hidden_size(args)
 
     # the driver modes' extra batch sizes ("main, batch=B") against the same workload's plain prefill
@@ -952,9 +954,10 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
         "tokens": sum(map(len, main_seqs)),
         "lengths": [args.min_len, args.max_len],
         "warm_up": args.warm_up,
-        "driver_format": args.driver_format,
-        **({"driver_torch_threads": args.driver_torch_threads} if args.driver_torch_threads else {}),
-        **({"fp8_scale": args.fp8_scale} if any("-fp8" in m for m in results) else {}),
+        "driver_format": getattr(args, "driver_format", "safetensors"),
+        **({"driver_torch_threads": args.driver_torch_threads} if getattr(args, "driver_torch_threads", None)
+           else {}),
+        **({"fp8_scale": fp8_scale} if any("-fp8" in m for m in results) else {}),
         "results": results,
         "ratios": ratios,
     }

@@ -137,3 +137,30 @@ def test_ratios_name_each_page_cache_setting_against_plain_prefill():
     assert ratios["driver-stream-disk, keep-cache/plain"] == 0.8
     assert ratios["driver-stream-disk batch=8/plain"] == 0.91
     assert ratios["driver-stream-disk batch=8, keep-cache/plain"] == 0.7
+
+
+def test_fp8_driver_modes_are_compared_with_plain_prefill_and_the_bf16_driver():
+    """throughput.py's fp8 driver modes: each run against plain prefill and against the bf16 driver's
+    run of the same name (same batch size, same destination)."""
+    import argparse
+
+    args = argparse.Namespace(model_path="/nonexistent", model="llama", set=[], min_len=1, max_len=2, warm_up="first",
+                              fp8_scale="token", driver_format="safetensors")
+
+    def run(name, tps):
+        return {"workload": name, "tokens_per_s": tps}
+
+    results = {"plain": {"workloads": [run("main", 100.0)]},
+               "driver-stream": {"workloads": [run("main", 96.0), run("main, batch=128", 94.0)]},
+               "driver-stream-fp8": {"workloads": [run("main", 93.0), run("main, batch=128", 90.0)]},
+               "driver-stream-disk": {"workloads": [run("main", 80.0), run("main, batch=128", 79.0)]},
+               "driver-stream-fp8-disk": {"workloads": [run("main", 88.0), run("main, batch=128", 87.0)]}}
+    doc = throughput.document(args, [[1, 2]] * 4, [{"name": "main"}], results)
+    ratios = doc["ratios"]["main"]
+    assert ratios["driver-stream-fp8/plain"] == 0.93
+    assert ratios["driver-stream-fp8 batch=128/plain"] == 0.9
+    assert ratios["driver-stream-fp8/driver-stream"] == 0.969
+    assert ratios["driver-stream-fp8 batch=128/driver-stream batch=128"] == round(90 / 94, 3)
+    assert ratios["driver-stream-fp8-disk batch=128/driver-stream-disk batch=128"] == round(87 / 79, 3)
+    assert ratios["driver-stream-fp8-disk/driver-stream-disk"] == 1.1
+    assert doc["fp8_scale"] == "token"

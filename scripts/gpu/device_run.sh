@@ -9,6 +9,8 @@
 #   device_run.sh reset              forget the staged and installed release, so that another one can be
 #                                    staged and installed on the same machine (its stage calls come next)
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
+#   device_run.sh fp8-error          fp8 hidden states' error per layer and scale granularity (benchmarks/fp8_error.py):
+#                                    the 8B shape at $CKPT (/dev/shm/ckpt-8b) and Kimi-K2.5's tiny checkpoint
 #   device_run.sh ckpt8b             build the 8B-shaped checkpoint at $CKPT (/tmp/ckpt-8b) in the background
 #                                    (it outlives the call; /tmp/ckpt-8b.done when finished)
 # Results go to $OUT (evidence JSON, logs, benchmark JSON).
@@ -123,5 +125,11 @@ open('/tmp/ckpt-8b.done', 'w').close()" > /tmp/ckpt-8b.log 2>&1 < /dev/null &
     fi
     PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 benchmarks/throughput.py --out "$OUT/bench-gpu${BENCH_NAME:+-$BENCH_NAME}.json" ${BENCH_ARGS:-}
     ;;
-  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | proof | kimi [v1|v2] [TP] | reset | ckpt8b | bench"; exit 2 ;;
+  fp8-error)
+    PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 benchmarks/fp8_error.py --config 8b \
+      --model-path "${CKPT:-/dev/shm/ckpt-8b}" --out "$OUT/fp8-error-gpu-8b.json"
+    PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 benchmarks/fp8_error.py --model kimi_k25 \
+      --out "$OUT/fp8-error-gpu-kimi_k25.json"
+    ;;
+  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | proof | kimi [v1|v2] [TP] | reset | ckpt8b | bench | fp8-error"; exit 2 ;;
 esac
