@@ -12,7 +12,9 @@ layer, ``[n, layers, 1]``), dequantizes them as speculators' ``FP8Transfer`` doe
   became 0, and the layer's magnitude (median over tokens of the layer's amax / the token's amax
   over all layers: how much of fp8's range a shared scale leaves that layer);
 - what EAGLE-3 consumes: the draft input (the non-final layers concatenated, ``hs[:, :-1].flatten(1)``)
-  and the verifier's last state (``hs[:, -1]``).
+  and the verifier's last state (``hs[:, -1]``);
+- without the engine, a sweep: a Gaussian layer 1 .. 10^-5 times the size of another stored with it,
+  its error under each granularity (where one scale per token stops keeping fp8's precision).
 
     python benchmarks/fp8_error.py --model llama --out fp8-error-llama.json          # tiny checkpoint
     python benchmarks/fp8_error.py --model kimi_k25 --out fp8-error-kimi.json
@@ -92,6 +94,28 @@ class Acc:
         return out
 
 
+def magnitude_sweep(hidden: int = 4096, tokens: int = 256) -> list[dict]:
+    """No engine: one layer of Gaussian values ``share`` times the size of another's, stored together;
+    the small layer's relative error under one scale per token and under its own scale. Where the
+    per-token scale stops keeping fp8's precision: e4m3's normal values span 2^-6 .. 448."""
+    import torch
+
+    from speccompat.dataset.fp8 import dequantize, quantize
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for share in (1.0, 1e-1, 1e-2, 1e-3, 3e-4, 1e-4, 1e-5):
+        big = torch.randn(tokens, hidden, generator=g).bfloat16()
+        small = (torch.randn(tokens, hidden, generator=g) * share).bfloat16()
+        row: dict = {"share": share}
+        for gran in GRANULARITIES:
+            q, sc = quantize([small, big], gran, stack=True)
+            d = dequantize(q, sc, torch.bfloat16)[:, 0].float()
+            row[gran] = round(float((d - small.float()).norm() / small.float().norm()), 5)
+        out.append(row)
+    return out
+
+
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
@@ -145,7 +169,9 @@ def measure(args: argparse.Namespace) -> dict:
             "dequantize": "fp8.to(bfloat16) * scale.to(bfloat16), against the engine's states",
             "bytes_per_token": {"bfloat16": 2 * L * hidden, "fp8 token": L * hidden + 4,
                                 "fp8 token-layer": L * hidden + 4 * L},
-            "granularities": table}
+            "granularities": table,
+            "magnitude_sweep": {"what": "no engine: Gaussian layer of rms `share` x another's, its relative error",
+                                "rows": magnitude_sweep()}}
 
 
 def markdown(doc: dict) -> str:
@@ -161,6 +187,9 @@ def markdown(doc: dict) -> str:
         a, b = g["token"][key], g["token-layer"][key]
         rows.append(f"| {label} | | {a['rel_err']:.4f} | {b['rel_err']:.4f} | {a['cos_mean']:.5f} / "
                     f"{a['cos_min']:.5f} | {b['cos_mean']:.5f} / {b['cos_min']:.5f} | | |")
+    rows += ["", "| a layer's size / the token's other layer | rel. error, token | rel. error, token-layer |",
+             "|---|---|---|"]
+    rows += [f"| {r['share']:g} | {r['token']:.4f} | {r['token-layer']:.4f} |" for r in doc["magnitude_sweep"]["rows"]]
     return "\n".join(rows)
 
 
