@@ -3,7 +3,7 @@
 #   device_run.sh install            install the staged vLLM, speccompat and speculators under /tmp
 #   device_run.sh test RUNNER [TP]   engine parity + silent-bug suites; RUNNER is v2 (default) or v1 (vLLM <= 0.33)
 #   device_run.sh proof              a release's proof at TP=1: parity, silent bugs, INT4, the serving-path and
-#                                    native-extraction oracles, Qwen3 (two pytest processes side by side)
+#                                    native-extraction oracles, Qwen3 (three pytest processes side by side)
 #   device_run.sh kimi RUNNER [TP]   Kimi-K2.5 parity: kimi_k25 (bf16) and kimi_k25 with INT4 experts,
 #                                    the thresholds' planted-bug checks, and vLLM's parse of the INT4 config
 #   device_run.sh reset              forget the staged and installed release, so that another one can be
@@ -87,22 +87,28 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
     echo "reset: no release staged or installed"
     ;;
   proof)
-    # A release's proof at TP=1 on the default runner, two pytest processes side by side (tiny models;
-    # each engine takes 0.1 of the GPU): (1) parity with transformers for Llama, DeepseekV3 and Kimi-K2.5
-    # (bf16 and INT4 experts), the silent-bug checks and the thresholds' planted bugs; (2) the
-    # serving-path and native-extraction oracles for Llama, Qwen3, DeepseekV3 and Kimi-K2.5 and the
-    # Qwen3 architecture's parity. Evidence: $OUT/vllm-V-tp1-v2-{parity,oracles}.json, architectures-V.json.
+    # A release's proof at TP=1 on the default runner, three pytest processes side by side (tiny models;
+    # each engine takes 0.1 of the GPU): (1) parity with transformers for Llama and DeepseekV3, the
+    # silent-bug checks and the thresholds' checks; (2) Kimi-K2.5, bf16 and INT4 experts, and its
+    # planted bugs; (3) the serving-path and native-extraction oracles for Llama, Qwen3, DeepseekV3 and
+    # Kimi-K2.5 and the Qwen3 architecture's parity.
+    # Evidence: $OUT/vllm-V-tp1-v2-{parity,kimi,oracles}.json and architectures-vllm-V.json.
     V=$(python3 -c "import json; print(json.load(open('/tmp/speccompat-env.json'))['vllm'])")
-    TEST_FILES="tests/engine/test_parity.py tests/engine/test_silent_bugs.py tests/engine/test_int4.py" OUT_NAME=parity \
+    T="${TEST_TIMEOUT:-540}"
+    TEST_TIMEOUT=$T TEST_FILES="tests/engine/test_parity.py tests/engine/test_silent_bugs.py" OUT_NAME=parity \
+      TEST_SELECT="not kimi_k25 and not control and not non_finite and not bad_ and not repeated and not overlong" \
       bash "$0" test v2 1 > /dev/null 2>&1 &
     p1=$!
-    SPECCOMPAT_ARCH_EVIDENCE_OUT="$OUT/architectures-vllm-$V.json" PYTEST_ARGS=--engine-full OUT_NAME=oracles \
+    TEST_TIMEOUT=$T TEST_FILES="tests/engine/test_parity.py tests/engine/test_int4.py" OUT_NAME=kimi \
+      TEST_SELECT="kimi_k25 or int4" bash "$0" test v2 1 > /dev/null 2>&1 &
+    p2=$!
+    TEST_TIMEOUT=$T SPECCOMPAT_ARCH_EVIDENCE_OUT="$OUT/architectures-vllm-$V.json" PYTEST_ARGS=--engine-full OUT_NAME=oracles \
       TEST_FILES="tests/engine/test_serving_path.py tests/engine/test_native_extract.py tests/engine/test_architectures.py" \
       TEST_SELECT="not llama4 and not qwen3_moe and not gpt_oss and not mistral and not gemma3 and not glm4_moe" \
       bash "$0" test v2 1 > /dev/null 2>&1 &
-    p2=$!
-    rc=0; wait $p1 || rc=$?; wait $p2 || rc=$?
-    tail -n 15 "$OUT"/pytest-v2-tp1-parity.txt "$OUT"/pytest-v2-tp1-oracles.txt
+    p3=$!
+    rc=0; wait $p1 || rc=$?; wait $p2 || rc=$?; wait $p3 || rc=$?
+    tail -n 12 "$OUT"/pytest-v2-tp1-parity.txt "$OUT"/pytest-v2-tp1-kimi.txt "$OUT"/pytest-v2-tp1-oracles.txt
     exit $rc
     ;;
   kimi)
