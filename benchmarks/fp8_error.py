@@ -19,6 +19,7 @@ layer, ``[n, layers, 1]``), dequantizes them as speculators' ``FP8Transfer`` doe
     python benchmarks/fp8_error.py --model llama --out fp8-error-llama.json          # tiny checkpoint
     python benchmarks/fp8_error.py --model kimi_k25 --out fp8-error-kimi.json
     python benchmarks/fp8_error.py --config 8b --model-path /dev/shm/ckpt-8b --out fp8-error-8b.json
+    python benchmarks/fp8_error.py --bytes 4096 7168 --out fp8-bytes.json     # no engine: bytes per token
 
 Prints a Markdown table and writes the JSON document (``--out``). Run an engine on a shared CPU
 machine under its lock (``flock /tmp/speccompat-engine.lock ...``).
@@ -116,6 +117,57 @@ def magnitude_sweep(hidden: int = 4096, tokens: int = 256) -> list[dict]:
     return out
 
 
+def bytes_per_token(hiddens: list[int], samples: int = 8, seed: int = 1) -> list[dict]:
+    """No engine: bytes per token of data sets written by speccompat's writer (sample files with their
+    headers, provenance, token ids and loss mask) from random bfloat16 states of 4 layers, per hidden
+    size, layout, bfloat16 and fp8 (both granularities): samples of 256-768 tokens."""
+    import shutil
+
+    import torch
+
+    from speccompat.dataset import collect_provenance, open_dataset, read_model_info, scan_jsonl
+
+    rng = random.Random(seed)
+    out = []
+    for hidden in hiddens:
+        root = Path(tempfile.mkdtemp(prefix="fp8-bytes-"))
+        try:
+            model = root / "model"
+            model.mkdir()
+            (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
+                                                           "num_hidden_layers": 6, "vocab_size": 512}))
+            (model / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+            data = root / "d.jsonl"
+            data.write_text("".join(json.dumps({"id": f"s{k}", "input_ids": [rng.randrange(4, 512) for _ in
+                                                                           range(rng.randrange(256, 769))]}) + "\n"
+                                    for k in range(samples)))
+            scan = scan_jsonl(data, vocab_size=512, max_seq_len=1024)
+            tokens = sum(x.num_tokens for x in scan.samples)
+            info = read_model_info(str(model))
+            for layout in ("safetensors", "speculators-arrow"):
+                row: dict = {"hidden_size": hidden, "layout": layout, "tokens": tokens}
+                for name, kw in (("bfloat16", {}), ("fp8 token", {"dtype": "fp8", "fp8_scale": "token"}),
+                                 ("fp8 token-layer", {"dtype": "fp8", "fp8_scale": "token-layer"})):
+                    prov = collect_provenance(model_path=str(model), info=info, layer_ids=[1, 2, 4, 5],
+                                              dtype=kw.get("dtype", "bfloat16"), fp8_scale=kw.get("fp8_scale"),
+                                              max_seq_len=1024, on_long_line="fail", tensor_parallel_size=1,
+                                              layout=layout)
+                    ds = open_dataset(root / f"{layout}-{name.replace(' ', '-')}", scan.samples, prov)
+                    with ds, ds.writer(threads=2) as w:
+                        for x in ds.todo:
+                            g = torch.Generator().manual_seed(x.num_tokens)
+                            w.submit([ds.job(x, [torch.randn(x.num_tokens, hidden, generator=g).bfloat16()
+                                                 for _ in range(4)])])
+                    size = sum(e["bytes"] for e in ds.manifest.entries.values())
+                    row[name] = round(size / tokens, 1)
+                for name in ("fp8 token", "fp8 token-layer"):
+                    row[f"{name} / bfloat16"] = round(row[name] / row["bfloat16"], 4)
+                out.append(row)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def measure(args: argparse.Namespace) -> dict:
     import torch
 
@@ -210,11 +262,22 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.1)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--bytes", type=int, nargs="+", default=None, metavar="HIDDEN",
+                    help="no engine: only the bytes per token of written data sets at these hidden sizes")
     ap.add_argument("--out", help="write the JSON document here too")
     chosen, _ = ap.parse_known_args()
     if chosen.config:
         ap.set_defaults(**CONFIGS[chosen.config])
     args = ap.parse_args()
+    if args.bytes:
+        rows = bytes_per_token(args.bytes)
+        write({"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d"),
+               "what": bytes_per_token.__doc__.split("\n\n")[0].replace("\n    ", " "), "rows": rows}, args.out,
+              echo=False)
+        print("\n".join(f"| {r['hidden_size']} | {r['layout']} | {r['bfloat16']:,} | {r['fp8 token']:,} "
+                        f"({r['fp8 token / bfloat16']}x) | {r['fp8 token-layer']:,} ({r['fp8 token-layer / bfloat16']}x) |"
+                        for r in rows))
+        return 0
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     made = None
     if not args.model_path or not (Path(args.model_path) / "config.json").is_file():

@@ -6,12 +6,12 @@ Per sample, over the stored layers stacked as ``[n, layers, hidden]``:
 - ``scale = amax / 448`` per token (``--fp8-scale token``: the amax over all layers and the hidden
   dimension, scales ``[n, 1, 1]``, hs-connectors' own choice) or per token and layer
   (``token-layer``: the amax over the hidden dimension, scales ``[n, layers, 1]``); the scale is
-  rounded to the nearest bfloat16 value (kept as float32), so that the dequantized value is the same
-  whether it is computed in float32 or in bfloat16, as ``FP8Transfer`` does; an all-zero token gets
-  the scale 1e-12 (its values stay 0);
-- ``fp8 = (x / scale).to(float8_e4m3fn)``: round to nearest; ``|x| / scale`` is at most 448 times
-  (1 + 2^-9) (the bfloat16 rounding of the scale), which rounds to 448, so no value saturates or
-  becomes NaN;
+  rounded to the nearest bfloat16 value (kept as float32): exact in bfloat16, so that ``FP8Transfer``'s
+  bfloat16 dequantization is the exact (float32) product rounded once; an all-zero token gets the
+  scale 1e-12 (its values stay 0);
+- ``fp8 = (x.float() * (1 / scale)).to(float8_e4m3fn)``: round to nearest; ``|x| / scale`` is at most
+  448 times (1 + 2^-9) (the bfloat16 rounding of the scale), which rounds to 448, so no value
+  saturates or becomes NaN;
 - dequantize: ``x = fp8.to(dtype) * scale.to(dtype)`` (broadcasting; hs-connectors'
   ``dequantize_fp8_tensor``). Both scale shapes broadcast against ``[n, layers, hidden]``.
 
@@ -84,7 +84,7 @@ def describe(granularity: str) -> dict[str, Any]:
             "scale_shape": "[n, layers, 1]" if granularity == "token-layer" else "[n, 1, 1]",
             "scale_rule": f"amax / {FP8_MAX:g} over {GRANULARITIES[granularity]}, rounded to the nearest "
                           f"bfloat16 value; {MIN_SCALE:g} for an all-zero token",
-            "quantize": "(hidden_states / scale).to(float8_e4m3fn), round to nearest",
+            "quantize": "(hidden_states.float() * (1 / scale)).to(float8_e4m3fn), round to nearest",
             "dequantize": DEQUANTIZE_RULE,
             "layers": "speculators-arrow: hidden_states [n, layers, hidden]; safetensors: hidden_states_<layer> "
                       "[n, hidden] with hidden_states_scales[:, k] for the k-th layer id (k = 0 for scale token)"}
