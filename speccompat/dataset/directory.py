@@ -200,6 +200,19 @@ class DatasetDir:
         if os.path.lexists(self.path(name)):
             shutil.rmtree(self.path(name))
 
+    def token_freq_problem(self, path: Path | str | None, flag: str = "--token-freq-path") -> str | None:
+        """Why ``path`` cannot be the token-frequency file: it is inside the directory, where
+        speculators' loader takes every file ending in ``pt`` for a sample and fails on it."""
+        if path is None:
+            return None
+        root = os.path.realpath(self.root)
+        target = os.path.realpath(path)
+        if target == root or target.startswith(root.rstrip(os.sep) + os.sep):
+            return (f"{flag} {path} is inside the output directory {self.root}: speculators' data loader reads every "
+                    f"file ending in pt there as a sample and fails on it; put it beside the directory (the default "
+                    f"is {self.token_freq_path()})")
+        return None
+
     def ensure(self) -> None:
         """Create the directory if needed; :class:`Rejected` when it is not writable."""
         if self.root.is_symlink() and not self.root.is_dir():

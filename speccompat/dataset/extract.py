@@ -317,6 +317,10 @@ def check_settings(cfg: ExtractConfig) -> Any:
     info = read_model_info(cfg.model_path)
     problems = preflight(cfg, _config_dict(cfg.model_path), _tokenizer_config(cfg.model_path))
     problems += machine_problems(cfg)
+    from speccompat.dataset.directory import DatasetDir
+
+    if (why := DatasetDir(cfg.output_dir).token_freq_problem(cfg.token_freq_path)) is not None:
+        problems.append(why)
     try:
         layer_ids = resolve_layer_ids(cfg.layer_ids, info.num_layers)
     except LayerIdsError as exc:

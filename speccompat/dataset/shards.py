@@ -503,12 +503,17 @@ def main(args: Any) -> int:
     import sys
 
     out_dir: Path = args.dir
+    why = DatasetDir(out_dir).token_freq_problem(args.token_freq_path)
+    if why is not None:
+        print(f"merge {out_dir}: {why}", file=sys.stderr)
+        return EXIT_REJECTED
     try:
         res = merge_dataset(out_dir, args.threads)
         problems = list(res.problems)
-        if not (out_dir / MANIFEST_NAME).is_file():
-            for line in problems:
-                print(line)
+        header = DatasetDir(out_dir).manifest().header if (out_dir / MANIFEST_NAME).is_file() else None
+        if header is None:  # not a data set (or not one yet): nothing to verify or finish
+            for line in problems or [f"{MANIFEST_NAME}: no header that can be read: not a data set"]:
+                print(f"{out_dir}/{line}" if not line.startswith(str(out_dir)) else line)
             return EXIT_REJECTED
         print(f"merge {out_dir}: {len(res.parts)} part(s) joined, {res.entries} entries", file=sys.stderr)
         n = res.entries

@@ -7,7 +7,8 @@ loss mask hash to the entry's ``input_sha256``; hidden states are finite; every 
 (safetensors metadata) equals the manifest's; ids are unique; no file is in the directory that
 the manifest does not list (temporary files included). All of it is
 :meth:`~speccompat.dataset.directory.DatasetDir.check_file` at level ``verify``. Exit status 0 when
-nothing is wrong, 1 when a problem is found, 2 when DIR is not a data set, 130 when interrupted.
+nothing is wrong, 1 when a problem is found, 2 when DIR is not a data set (no ``manifest.jsonl``, or
+one without a header that can be read), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def main(args: argparse.Namespace) -> int:
     for line in problems:
         print(f"{out_dir}/{line}" if not line.startswith(str(out_dir)) else line)
     print(f"verify {out_dir}: {n} entries, {len(problems)} problem(s)", file=sys.stderr)
-    if problems and any(p.startswith(f"{MANIFEST_NAME} line 1 (the header)") for p in problems) and n == 0:
+    if _no_header(problems):  # not a data set: its manifest has no header that can be read
         return EXIT_REJECTED
     return EXIT_FAILED if problems else EXIT_OK
+
+
+def _no_header(problems: list[str]) -> bool:
+    return any(p.startswith(f"{MANIFEST_NAME} line 1 (the header)") or p.endswith("not a speccompat data set")
+               for p in problems)
