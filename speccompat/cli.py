@@ -279,13 +279,36 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args.model, args.workdir, args.sequences, args.speculators)
-    if args.cmd == "verify":
-        return _verify.main(args)
-    if args.cmd == "merge":
-        return _shards.main(args)
-    if args.cmd == "check-draft":
-        return _check_draft.main(args)
-    if args.cmd == "export":
-        return _export.main(args)
+    commands = {"verify": _verify.main, "merge": _shards.main, "check-draft": _check_draft.main,
+                "export": _export.main}
+    if args.cmd in commands:
+        return run_data_command(args.cmd, commands[args.cmd], args)
     ap.print_help()
     return 2
+
+
+#: what a data-set command prints for an error it did not expect (the fuzz test looks for it)
+INTERNAL_ERROR = "internal error (please report it)"
+
+
+def run_data_command(name: str, fn: Any, args: Any) -> int:
+    """A data-set command's exit status, never a traceback: each command turns what it finds into
+    0/1/2 with one line per problem; an exception it did not expect is one line too (exit 1;
+    ``SPECCOMPAT_DEBUG=1`` shows the traceback), Ctrl-C is 130."""
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is printed escaped, not raised on
+        if hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                pass
+    try:
+        return fn(args)
+    except KeyboardInterrupt:
+        print(f"speccompat {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the one line below instead of a traceback
+        if os.environ.get("SPECCOMPAT_DEBUG"):
+            raise
+        print(f"speccompat {name}: {INTERNAL_ERROR}: {type(exc).__name__}: {exc} (SPECCOMPAT_DEBUG=1 shows where)",
+              file=sys.stderr)
+        return 1

@@ -229,3 +229,12 @@ def test_kept_pins_what_the_environment_has_installed(mkenv):
         except md.PackageNotFoundError:
             pass
     assert pins == want and "torch" in pins  # this environment runs torch
+
+
+def test_a_requirement_added_to_the_extras_later_is_found_missing(mkenv):
+    """An environment built before a dependency joined the test extra (hypothesis) gets it on the
+    next ``scripts/mkenv.py`` run: what it lacks is read from pyproject.toml and the environment."""
+    reqs = mkenv.extra_requirements()
+    assert "hypothesis>=6" in reqs and "pytest>=8" in reqs and any(r.startswith("ray") for r in reqs)
+    assert mkenv.missing_extras(sys.executable, ["pytest>=1", "no-such-distribution-x>=1", "pytest>=999"]) == [
+        "no-such-distribution-x>=1", "pytest>=999"]

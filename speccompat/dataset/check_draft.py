@@ -63,6 +63,7 @@ from ..layers import (
     training_layers,
     vllm_default_aux_ids,
 )
+from .errors import DatasetError
 from .fsutil import write_atomic
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_CONSISTENT", "EXIT_MISMATCH", "LAYER_READERS", "PEAGLE_SERVED", "BadInput",
@@ -424,6 +425,6 @@ def main(args: argparse.Namespace) -> int:
         again = check_draft(args.draft, args.dataset, args.num_hidden_layers, vllm)
         print(report(again))
         return EXIT_CONSISTENT if again.consistent else EXIT_MISMATCH
-    except (BadInput, OSError) as exc:
+    except (BadInput, DatasetError, OSError) as exc:
         print(f"check-draft: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
