@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="where the synthetic checkpoint goes (default: a temp dir)")
     ap.add_argument("--shape", choices=("8b",), default="8b")
     ap.add_argument("--threads", type=int, nargs="+", default=[0],
-                    help="thread counts for the first computation (0: the default, min(8, max(2, CPUs)))")
+                    help="thread counts for the first computation (0: the default, contenthash.default_threads())")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic files")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -132,7 +132,7 @@ def main() -> None:
             t0 = time.perf_counter()
             ident = weights_identity(files, threads=threads or None)
             s = time.perf_counter() - t0
-            firsts.append({"threads": threads or max(2, min(8, os.cpu_count() or 2)), "s": round(s, 2),
+            firsts.append({"threads": threads or contenthash.default_threads(), "s": round(s, 2),
                            "gb_per_s": round(total / 1e9 / s, 3)})
         cached = []
         for _ in range(3):

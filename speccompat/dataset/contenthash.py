@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-__all__ = ["METHOD", "SEGMENT", "cache_dir", "file_digests"]
+__all__ = ["METHOD", "SEGMENT", "cache_dir", "default_threads", "file_digests"]
 
 logger = logging.getLogger("speccompat.dataset")
 
@@ -39,6 +39,12 @@ SEGMENT = 64 << 20
 CHUNK = 8 << 20
 #: Name and version of the digest, stored with it: a change of method is a change.
 METHOD = "xxh3-128-segments-64MiB-v1"
+
+
+def default_threads() -> int:
+    """Reading threads: the hashing itself holds the GIL (one core, ~4 GB/s for XXH3), the reads do
+    not, so more reads in flight than cores keep a disk's queue full (benchmarks/model_identity.py)."""
+    return max(4, min(16, 2 * (os.cpu_count() or 2)))
 
 
 def cache_dir() -> Path | None:
@@ -134,7 +140,7 @@ def file_digests(paths: list[Path], *, threads: int | None = None, what: str = "
             logger.info("%s: %d file(s), every digest cached (%s)", what, len(paths), where)
         return out
     total = sum(keys[p][1]["size"] for p in todo)
-    workers = threads or max(2, min(8, os.cpu_count() or 2))
+    workers = threads or default_threads()
     logger.info("%s: reading %d file(s), %.1f GB, to hash their whole content (%d cached; %d threads)", what,
                 len(todo), total / 1e9, len(out), workers)
     t0 = time.monotonic()
