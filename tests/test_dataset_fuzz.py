@@ -425,6 +425,7 @@ def test_check_draft_never_raises(bases, capsys, base, todo, config, raw, fix):
 @given(base=st.sampled_from(["single", "sharded"]), todo=damages, lines=input_lines,
        on_bad=st.sampled_from(["skip", "fail"]))
 @example(base="single", todo=[("entry", "x.safetensors.123.partial", "dir", b"")], lines=[], on_bad="fail")
+@example(base="single", todo=[("entry", "manifest.jsonl", "dir", b"")], lines=[], on_bad="skip")
 @example(base="single", todo=[("entry", "hidden_states", "link-out", b"")],
          lines=[b'{"id": "bad\\ud800", "input_ids": [5, 6]}'], on_bad="skip")  # a lone surrogate
 def test_the_resume_check_and_the_input_check_only_refuse(bases, base, todo, lines, on_bad):

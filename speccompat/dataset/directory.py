@@ -315,6 +315,9 @@ class DatasetDir:
             fd = os.open(self.path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder of that name
+            os.close(fd)
+            return None
         with os.fdopen(fd, "rb") as f:
             try:
                 return json.loads(f.read())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,9 @@ def read_safetensors(path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, l
     """(metadata, {name: (dtype, shape, buffer)}, mmap) of a safetensors file, without torch.
     Raises ``ValueError`` for a file that is not a complete safetensors file."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # a symbolic link is refused (ELOOP)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("not a plain file")
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
         head = f.read(8)

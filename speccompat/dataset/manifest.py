@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,11 @@ class Manifest:
             from .errors import Rejected
 
             raise Rejected(f"cannot read {self.path}: {exc.strerror} (a manifest must be a plain file)") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            from .errors import Rejected
+
+            raise Rejected(f"cannot read {self.path}: not a plain file (a manifest must be a plain file)")
         with os.fdopen(fd, "rb") as f:
             return f.read()
 
@@ -133,8 +139,12 @@ class Manifest:
         except OSError:  # not there (yet), or not a plain file: nothing to read
             self._reset()
             return self
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a folder of that name: nothing to read
+            os.close(fd)
+            self._reset()
+            return self
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
             if self._file != (st.st_dev, st.st_ino) or st.st_size < self._read_to:
                 self._reset()
                 self._file = (st.st_dev, st.st_ino)
