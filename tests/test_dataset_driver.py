@@ -160,3 +160,13 @@ def test_the_launcher_hashes_the_weights_once_before_its_engines_start(engine, t
     data = jsonl(tmp_path / "d.jsonl", random_records(3))
     assert extract(engine, tmp_path, data, "--data-parallel-size", "2") == 0
     assert len(cached) == 1 and len(cached[0]) == 1  # the one weight file's digest, before any engine
+
+
+def test_an_os_error_outside_the_engine_run_is_one_line_not_a_traceback(engine, tmp_path, monkeypatch, caplog):
+    def fails(cfg):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "out" / "manifest.jsonl"))
+
+    monkeypatch.setattr(ex, "extract", fails)
+    data = jsonl(tmp_path / "d.jsonl", random_records(2))
+    assert extract(engine, tmp_path, data) == 1
+    assert "Permission denied" in caplog.text and "re-run to resume" in caplog.text

@@ -16,14 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REJECTED", "DatasetDir", "DatasetWriter", "InputScan", "Manifest",
+    "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REJECTED", "DatasetDir", "DatasetError", "DatasetWriter", "InputScan", "Manifest",
     "ModelInfo", "NoSpace", "OpenDataset", "Rejected", "Sample", "WriterFailed", "collect_provenance",
     "id_for_name", "name_for_id", "open_dataset", "read_model_info", "report_scan", "scan_jsonl", "verify_dataset",
 ]
 
 _LAZY = {
     "EXIT_FAILED": "errors", "EXIT_INTERRUPTED": "errors", "EXIT_OK": "errors", "EXIT_REJECTED": "errors",
-    "NoSpace": "errors", "Rejected": "errors", "WriterFailed": "errors",
+    "DatasetError": "errors", "NoSpace": "errors", "Rejected": "errors", "WriterFailed": "errors",
     "DatasetDir": "directory", "DatasetWriter": "writer", "InputScan": "inputs", "Sample": "inputs", "scan_jsonl": "inputs",
     "report_scan": "inputs", "Manifest": "manifest", "ModelInfo": "provenance", "read_model_info": "provenance",
     "OpenDataset": "store", "open_dataset": "store", "id_for_name": "names", "name_for_id": "names",

@@ -668,11 +668,19 @@ def main(argv: list[str] | None = None, *, script: Path | None = None, prog: str
             logger.error("%s", exc)
             return EXIT_REJECTED
     use_spawn()
+    from speccompat.dataset import DatasetError
+
     try:
         return extract(cfg)
     except Rejected as exc:
         logger.error("%s", exc)
         return EXIT_REJECTED
+    except DatasetError as exc:
+        logger.error("%s", exc)
+        return exc.exit_status
+    except OSError as exc:  # outside the engine's run (which reports its own): one line, finished files kept
+        logger.error("%s; finished samples are kept, re-run to resume", exc)
+        return 1
 
 
 if __name__ == "__main__":  # vLLM's spawned workers re-import this file: nothing may run then
