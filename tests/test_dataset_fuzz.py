@@ -385,6 +385,7 @@ def test_merge_never_raises(bases, capsys, base, todo, lines, with_inputs):
 @FUZZ
 @given(base=bases_names, todo=damages, to=st.sampled_from(["safetensors", "speculators-arrow"]))
 @example(base="single", todo=[("tensor_bytes", 1, 2, 3, b"\xff\xff", False)], to="safetensors")  # one corrupt file
+@example(base="single", todo=[("manifest_field", 0, ["checksum"], [], False)], to="safetensors")  # unhashable
 def test_export_never_raises_and_leaves_no_half_data_set(bases, capsys, base, todo, to):
     if base not in bases:
         base = "single"
@@ -411,6 +412,7 @@ draft_configs = st.one_of(
 @given(base=bases_names, todo=damages, config=draft_configs, raw=st.none() | st.binary(max_size=32),
        fix=st.booleans())
 @example(base="single", todo=[("entry", "manifest.jsonl", "link-out", b"")], config={}, raw=None, fix=False)
+@example(base="single", todo=[("manifest_line", 1, b"")], config={"eagle_config": ["\ud800"]}, raw=None, fix=True)
 def test_check_draft_never_raises(bases, capsys, base, todo, config, raw, fix):
     if base not in bases:
         base = "single"
@@ -426,6 +428,7 @@ def test_check_draft_never_raises(bases, capsys, base, todo, config, raw, fix):
        on_bad=st.sampled_from(["skip", "fail"]))
 @example(base="single", todo=[("entry", "x.safetensors.123.partial", "dir", b"")], lines=[], on_bad="fail")
 @example(base="single", todo=[("entry", "manifest.jsonl", "dir", b"")], lines=[], on_bad="skip")
+@example(base="single", todo=[("entry", "s000.safetensors", "dir", b"")], lines=[], on_bad="skip")
 @example(base="single", todo=[("entry", "hidden_states", "link-out", b"")],
          lines=[b'{"id": "bad\\ud800", "input_ids": [5, 6]}'], on_bad="skip")  # a lone surrogate
 def test_the_resume_check_and_the_input_check_only_refuse(bases, base, todo, lines, on_bad):

@@ -378,7 +378,11 @@ def fix_draft(check: DraftCheck) -> Path:
     backup = _backup_path(check.config_path, original)
     if not backup.exists():
         write_atomic(backup, original)
-    write_atomic(check.config_path, (json.dumps(cfg, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    try:
+        text = (json.dumps(cfg, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # a string without a UTF-8 form (a lone surrogate): kept as its JSON escape
+        text = (json.dumps(cfg, indent=2, ensure_ascii=True) + "\n").encode("utf-8")
+    write_atomic(check.config_path, text)
     return backup
 
 

@@ -130,9 +130,17 @@ class DatasetDir:
             return []
 
     def unlink(self, name: str) -> None:
-        """Remove ``DIR/name`` (a symbolic link is removed itself, never its target)."""
-        with contextlib.suppress(FileNotFoundError):
+        """Remove ``DIR/name`` (a symbolic link is removed itself, never its target); a folder there
+        is not removed: :class:`Rejected`, naming it."""
+        try:
             os.unlink(self.path(name))
+        except FileNotFoundError:
+            pass
+        except (IsADirectoryError, PermissionError) as exc:
+            if not os.path.isdir(self.path(name)) or os.path.islink(self.path(name)):
+                raise
+            raise Rejected(f"{self.path(name)} is a folder where a file of the data set belongs: refused (remove "
+                           "it, or use another --output-dir)") from exc
 
     def held(self, name: str) -> bool:
         """Whether another process holds the lock file ``name`` now (it is not created when missing)."""

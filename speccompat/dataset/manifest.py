@@ -44,9 +44,9 @@ def header_problem(obj: Any) -> str | None:
         return "not a JSON object"
     if obj.get("speccompat_dataset") != SCHEMA_VERSION:
         return f"speccompat_dataset is {obj.get('speccompat_dataset')!r}, this version reads {SCHEMA_VERSION}"
-    if obj.get("layout") not in LAYOUTS:
+    if not isinstance(obj.get("layout"), str) or obj["layout"] not in LAYOUTS:
         return f"layout {obj.get('layout')!r} is not one of {', '.join(LAYOUTS)}"
-    if obj.get("checksum") not in ALGORITHMS:
+    if not isinstance(obj.get("checksum"), str) or obj["checksum"] not in ALGORITHMS:
         return f"checksum {obj.get('checksum')!r} is not one of {', '.join(ALGORITHMS)}"
     prov = obj.get("provenance")
     if not isinstance(prov, dict):
@@ -55,7 +55,7 @@ def header_problem(obj: Any) -> str | None:
     if not isinstance(hs, dict) or not isinstance(hs.get("layer_ids"), list) or not hs["layer_ids"] \
             or not all(_int(i) for i in hs["layer_ids"]):
         return "provenance.hidden_states.layer_ids is not a list of layer numbers"
-    if hs.get("dtype") not in DTYPES:
+    if not isinstance(hs.get("dtype"), str) or hs["dtype"] not in DTYPES:
         return f"provenance.hidden_states.dtype {hs.get('dtype')!r} is not one of {', '.join(DTYPES)}"
     if not isinstance(model, dict) or not _int(model.get("hidden_size")) or not _int(model.get("vocab_size")):
         return "provenance.model.hidden_size/vocab_size are not numbers"
