@@ -38,7 +38,15 @@ def pytest_configure(config):
     if "SPECCOMPAT_CACHE_DIR" not in os.environ:  # the model identity's digests: not into the user's cache
         import tempfile
 
-        os.environ["SPECCOMPAT_CACHE_DIR"] = tempfile.mkdtemp(prefix="speccompat-test-cache-")
+        os.environ["SPECCOMPAT_CACHE_DIR"] = config._speccompat_cache = tempfile.mkdtemp(prefix="speccompat-test-cache-")
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_speccompat_cache", None)
+    if made:
+        import shutil
+
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
