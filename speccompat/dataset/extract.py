@@ -435,6 +435,8 @@ def kv_cache_problem(gen: Any, todo: list[Any]) -> str | None:
     fewer tokens), before any sample runs; None when it can or when the cache cannot be told."""
     capacity = kv_cache_tokens(gen)
     longest = max((s.num_tokens for s in todo), default=0)
+    if capacity is not None:
+        logger.info("the engine's KV cache holds %d tokens; the longest sample to extract has %d", capacity, longest)
     if capacity is None or longest <= capacity:
         return None
     over = sum(s.num_tokens > capacity for s in todo)
