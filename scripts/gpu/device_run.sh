@@ -18,6 +18,13 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site VLLM_WORKER_MULTIPROC_METHOD=spawn
 if [ -d /tmp/nocudnn ]; then export PYTHONPATH=/tmp/nocudnn:/tmp/site SPECCOMPAT_NO_CUDNN=1; fi
+# Python reads .pth files in site-packages only, not in a --target folder on PYTHONPATH: add the folders
+# that the staged packages' .pth files put on sys.path, first, as the .pth files insert them (nvidia-cutlass-dsl's
+# `cutlass` package is in one; the image has another `cutlass` that must not shadow it).
+if compgen -G "/tmp/site/*.pth" > /dev/null; then
+  PYTHONPATH="$(python3 -c 'import site, sys; before = set(sys.path); site.addsitedir("/tmp/site")
+print(":".join(p for p in sys.path if p not in before and p != "/tmp/site"))'):$PYTHONPATH"
+fi
 export SPECCOMPAT_ENV_FILE=/tmp/speccompat-env.json
 # FlashInfer's top-k/top-p sampler is JIT-compiled on a fresh machine's first engine start (minutes,
 # no network to fetch its kernels); prefill runs greedy, and hidden states never pass the sampler.
