@@ -139,13 +139,15 @@ SWEEP = "throughput-cpu.json"
 # -------------------------------------------------------------------------------------- the code
 
 
-def capture_path_now(versions: list[str]) -> tuple[str, dict[str, str]]:
-    """Today's capture path: its hash, and each release's (:mod:`speccompat.matrix`)."""
+def capture_path_now(versions: list[str]) -> tuple[str, dict[str, str], dict]:
+    """Today's capture path: its hash, each release's, and the stored record that maps what results
+    files recorded to today's hashes (``evidence/hot_path.json``; :mod:`speccompat.matrix`)."""
     sys.path.insert(0, str(REPO))
     from speccompat import matrix
 
     releases = matrix.release_capture_paths(REPO, versions) if versions else {}
-    return matrix.hot_path_sha256(REPO), {v: r["sha256"] for v, r in releases.items()}
+    stored = json.loads((REPO / matrix.HOT_PATH_FILE).read_text())
+    return matrix.hot_path_sha256(REPO), {v: r["sha256"] for v, r in releases.items()}, stored
 
 
 def release(doc: dict) -> str | None:
@@ -165,10 +167,14 @@ def code_state(doc: dict, now: tuple[str, dict[str, str]]) -> str:
     code = doc.get("code") or {}
     if code.get("hot_path_modified"):
         return "uncommitted code"
-    hot, releases = now
+    from speccompat import matrix
+
+    hot, releases, stored = now
     rel = release(doc)
-    if code.get("release_sha256") and rel in releases:
-        return "current" if code["release_sha256"] == releases[rel] else "changed since"
+    # what the file recorded, as today's hashes read that code (as the matrix judges evidence)
+    mine = matrix.run_release_sha256({"vllm": rel, "code": code}, stored)
+    if mine and rel in releases:
+        return "current" if mine == releases[rel] else "changed since"
     if code.get("hot_path_sha256"):
         return "current" if code["hot_path_sha256"] == hot else "changed since"
     return "-"

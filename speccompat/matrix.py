@@ -281,29 +281,52 @@ def hot_path_files(root: Any) -> list[str]:
     return sorted(files)
 
 
-def hot_path_sha256(root: Any) -> str:
-    """One hash of the capture path's files (their paths and bytes): what an evidence file ran."""
-    import hashlib
+#: The file whose ``__version__`` assignment is no capture code: a release of speccompat changes the
+#: version string and nothing a run does, so the capture path's hashes read it with the value masked.
+UNVERSIONED = "speccompat/__init__.py"
+#: How the capture path is hashed: 1, every byte of its files; 2, ``UNVERSIONED``'s version masked
+#: (:func:`capture_bytes`). ``evidence/hot_path.json`` says which, and translates the release hashes
+#: recorded under scheme 1 (``translated``, :func:`hot_path_state`).
+HASH_SCHEME = 2
+
+
+def capture_bytes(root: Any, rel: str, unversioned: str | None = UNVERSIONED) -> bytes:
+    """The bytes of the capture path's file ``rel`` (under ``root``) as its hashes read them: the
+    file's, with the value of ``__version__ = ...`` masked in ``unversioned`` (None: every byte)."""
+    import re
     from pathlib import Path
+
+    data = (Path(root) / rel).read_bytes()
+    if rel == unversioned:
+        data = re.sub(rb"(?m)^__version__ = .*$", b"__version__ = ...", data)
+    return data
+
+
+def hot_path_sha256(root: Any, unversioned: str | None = UNVERSIONED) -> str:
+    """One hash of the capture path's files (their paths and :func:`capture_bytes`): what an evidence
+    file ran."""
+    import hashlib
 
     h = hashlib.sha256()
     for rel in hot_path_files(root):
-        h.update(rel.encode() + b"\0" + hashlib.sha256((Path(root) / rel).read_bytes()).digest())
+        h.update(rel.encode() + b"\0" + hashlib.sha256(capture_bytes(root, rel, unversioned)).digest())
     return h.hexdigest()
 
 
-def release_capture_path(root: Any, version: str, hot_path: tuple[str, ...] = HOT_PATH) -> dict[str, Any]:
+def release_capture_path(root: Any, version: str, hot_path: tuple[str, ...] = HOT_PATH,
+                         unversioned: str | None = UNVERSIONED) -> dict[str, Any]:
     """The capture path of vLLM release ``version`` in the tree ``root``: what a run on it runs.
 
     Its files: the core (``hot_path``'s modules and packages under ``speccompat/``, no adapter),
     ``adapters/__init__.py`` and the module of each adapter class in the MRO of the adapter
     ``by_version(version)`` selects (the chosen one and the parents it subclasses). ``sha256`` hashes
-    each file as :func:`hot_path_sha256` does, then the adapter's fingerprint (``registry.fingerprint``,
+    each file as :func:`hot_path_sha256` does (:func:`capture_bytes`), then the adapter's fingerprint (``registry.fingerprint``,
     which holds what the next adapter introduces: its ``new`` symbols, required absent) as canonical
     JSON. Returns ``{"sha256", "adapter", "files"}``.
 
-    Self-contained (every import inside): it runs in this process for the tree imported now, and
-    for another tree in a subprocess whose ``sys.path`` starts with that tree
+    Self-contained (every import inside; :func:`capture_bytes` travels with it): it runs in this
+    process for the tree imported now, and for another tree in a subprocess whose ``sys.path`` starts
+    with that tree
     (:func:`release_capture_paths`), reading that tree's ``speccompat.registry``.
     """
     import hashlib
@@ -334,7 +357,7 @@ def release_capture_path(root: Any, version: str, hot_path: tuple[str, ...] = HO
     files = sorted({f for f in files if (root / f).is_file()})
     h = hashlib.sha256()
     for rel in files:
-        h.update(rel.encode() + b"\0" + hashlib.sha256((root / rel).read_bytes()).digest())
+        h.update(rel.encode() + b"\0" + hashlib.sha256(capture_bytes(root, rel, unversioned)).digest())
     fp = registry.fingerprint(cls) if cls is not None else {}
     canon = {path: {k: list(v) if isinstance(v, tuple) else v for k, v in sym._asdict().items()}
              for path, sym in fp.items()}
@@ -357,8 +380,9 @@ module = importlib.util.module_from_spec(spec)
 sys.modules["speccompat.adapters"] = module
 spec.loader.exec_module(module)
 HOT_PATH = {hot_path!r}
+UNVERSIONED = {unversioned!r}
 {source}
-print(json.dumps({{v: release_capture_path(root, v) for v in json.loads(sys.argv[2])}}))
+print(json.dumps({{v: release_capture_path(root, v, unversioned=UNVERSIONED) for v in json.loads(sys.argv[2])}}))
 """
 
 
@@ -373,7 +397,7 @@ def _imported_tree(root: Any) -> bool:
     return Path(os.path.abspath(__file__)).parent == root / "speccompat" and adapters == [root / "adapters"]
 
 
-def release_capture_paths(root: Any, versions: Any) -> dict[str, dict[str, Any]]:
+def release_capture_paths(root: Any, versions: Any, unversioned: str | None = UNVERSIONED) -> dict[str, dict[str, Any]]:
     """:func:`release_capture_path` of each of ``versions`` in the tree ``root``: in this process
     where it is the tree imported now, else in one subprocess that imports that tree's code."""
     import inspect
@@ -383,8 +407,9 @@ def release_capture_paths(root: Any, versions: Any) -> dict[str, dict[str, Any]]
     if not versions:
         return {}
     if _imported_tree(root):
-        return {v: release_capture_path(root, v) for v in versions}
-    program = _SUBPROCESS.format(hot_path=HOT_PATH, source=inspect.getsource(release_capture_path))
+        return {v: release_capture_path(root, v, unversioned=unversioned) for v in versions}
+    program = _SUBPROCESS.format(hot_path=HOT_PATH, unversioned=unversioned,
+                                 source=inspect.getsource(capture_bytes) + "\n\n" + inspect.getsource(release_capture_path))
     done = subprocess.run([sys.executable, "-B", "-c", program, str(root), json.dumps(versions)], cwd=str(root),
                           capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
@@ -437,14 +462,22 @@ def run_release_sha256(run: dict[str, Any], code: dict[str, Any]) -> str | None:
     evidence recorded, else, for a run of an unmodified checkout (``commit``, ``hot_path_modified``
     false), the one derived at that commit (``code["runs"]``, from :func:`hot_path_state`), else, for a
     run that recorded the whole capture path's hash only, its release's capture path in that state
-    (``code["states"]``); else None."""
+    (``code["states"]``); else None. Hashes of scheme 1 come back as :data:`HASH_SCHEME` reads them
+    (:func:`translate`)."""
     rec = run.get("code") or {}
     if rec.get("release_sha256"):
-        return rec["release_sha256"]
+        return translate(code, rec["release_sha256"])
     if rec.get("commit") and rec.get("hot_path_modified") is False:
         return ((code.get("runs") or {}).get(rec["commit"]) or {}).get(str(run.get("vllm")))
     # a run that recorded only the whole capture path's hash, of a state on record
-    return ((code.get("states") or {}).get(rec.get("hot_path_sha256") or "") or {}).get(str(run.get("vllm")))
+    return translate(code, ((code.get("states") or {}).get(rec.get("hot_path_sha256") or "") or {}).get(
+        str(run.get("vllm"))))
+
+
+def translate(code: dict[str, Any], release_sha: str | None) -> str | None:
+    """A release capture path hash recorded under hash scheme 1 as scheme :data:`HASH_SCHEME` reads the
+    same code (``code["translated"]``, :func:`hot_path_state`); any other hash unchanged."""
+    return (code.get("translated") or {}).get(release_sha, release_sha) if release_sha else release_sha
 
 
 def code_record(root: Any, version: Any = None) -> dict[str, Any]:
@@ -483,8 +516,10 @@ def hot_path_state(root: Any) -> dict[str, Any]:
     (:func:`release_sha256_at`), else kept from ``evidence/hot_path.json``; ``states`` {an earlier
     whole capture path's hash: ``releases`` as they were in it}, one entry added each time the file
     is written after the capture path changed, so that a run which recorded only that hash is still
-    judged on its own release's part. The file (written by ``--write``) keeps the check working
-    without git."""
+    judged on its own release's part; ``hash_scheme`` (:data:`HASH_SCHEME`) and ``translated`` {a
+    release's hash under scheme 1: the same code's under this scheme}, made once when the file of an
+    older scheme is read, so that runs recorded before the switch keep their verdict. The file
+    (written by ``--write``) keeps the check working without git."""
     import datetime
     import subprocess
     from pathlib import Path
@@ -527,8 +562,15 @@ def hot_path_state(root: Any) -> dict[str, Any]:
     states = dict(kept.get("states") or {})
     if kept.get("sha256") and kept["sha256"] != sha and kept.get("releases"):
         states[kept["sha256"]] = kept["releases"]
-    return {"sha256": sha, "last_change": day, "files": files,
-            "releases": {v: now[v]["sha256"] for v in sorted(now, key=Version)}, "runs": runs, "states": states}
+    translated = dict(kept.get("translated") or {})
+    if kept and kept.get("hash_scheme", 1) < HASH_SCHEME:
+        # The switch to scheme 2, once: the same tree hashed both ways gives each release's hash
+        # under the old scheme (as runs recorded it) and under the new one.
+        old = release_capture_paths(root, now, unversioned=None)
+        translated.update({old[v]["sha256"]: now[v]["sha256"] for v in now if old[v]["sha256"] != now[v]["sha256"]})
+    return {"sha256": sha, "last_change": day, "files": files, "hash_scheme": HASH_SCHEME,
+            "releases": {v: now[v]["sha256"] for v in sorted(now, key=Version)}, "runs": runs, "states": states,
+            "translated": translated}
 
 
 def is_stale(run: dict[str, Any], code: dict[str, Any]) -> bool:

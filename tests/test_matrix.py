@@ -372,3 +372,43 @@ def test_a_run_that_recorded_only_the_whole_hash_is_judged_on_its_release_in_tha
     (root / matrix.HOT_PATH_FILE).write_text(json.dumps(code))
     again = matrix.hot_path_state(root)
     assert again["states"] == {then["sha256"]: then["releases"]} and again["sha256"] == code["sha256"]
+
+
+def test_the_version_string_is_no_capture_code(tmp_path):
+    """A release of speccompat changes ``__version__`` and nothing a run does: every release's capture
+    path and the whole hash stay; any other edit of the same file moves them."""
+    newest, before, _ = _releases_by_adapter()
+    root = _world(tmp_path / "repo", {})
+    init = root / matrix.UNVERSIONED
+    text = init.read_text()
+    assert text.count("\n__version__ = ") == 1
+    then = (matrix.hot_path_sha256(root), matrix.release_capture_paths(root, [newest, before]))
+    init.write_text(text.replace("\n__version__ = ", "\n__version__ = '9.9.9' or ", 1))
+    assert (matrix.hot_path_sha256(root), matrix.release_capture_paths(root, [newest, before])) == then
+    assert matrix.hot_path_sha256(root, unversioned=None) != matrix.hot_path_sha256(root)  # scheme 1 reads it
+    init.write_text(text + "\n# edited\n")
+    assert matrix.hot_path_sha256(root) != then[0]
+    assert matrix.release_capture_paths(root, [before])[before]["sha256"] != then[1][before]["sha256"]
+
+
+def test_runs_recorded_under_the_first_hash_scheme_keep_their_verdict(tmp_path):
+    """Reading an evidence/hot_path.json of scheme 1 translates, once, each release's scheme-1 hash of
+    the same tree into scheme 2's; a run that recorded a scheme-1 hash of today's code stays current,
+    one of other code stays stale, and the table survives the next write."""
+    newest, before, _ = _releases_by_adapter()
+    root = _world(tmp_path / "repo", {})
+    old = matrix.release_capture_paths(root, [before], unversioned=None)[before]["sha256"]
+    new = matrix.release_capture_paths(root, [before])[before]["sha256"]
+    assert old != new
+    runs = {"scheme1.json": _run([_cell()], vllm=before, code={"release_sha256": old}),
+            "other.json": _run([_cell()], vllm=newest, code={"release_sha256": "0" * 64})}
+    root = _world(tmp_path / "repo2", runs)
+    (root / matrix.HOT_PATH_FILE).write_text(json.dumps({"sha256": matrix.hot_path_sha256(root, unversioned=None),
+                                                         "last_change": "2026-12-01"}))  # no hash_scheme: 1
+    code = matrix.hot_path_state(root)
+    assert code["hash_scheme"] == matrix.HASH_SCHEME and code["translated"][old] == new
+    assert not matrix.is_stale(runs["scheme1.json"], code)
+    assert matrix.is_stale(runs["scheme1.json"], {**code, "translated": {}})  # without the table: stale
+    assert matrix.is_stale(runs["other.json"], code)
+    (root / matrix.HOT_PATH_FILE).write_text(json.dumps(code))
+    assert matrix.hot_path_state(root)["translated"] == code["translated"]
