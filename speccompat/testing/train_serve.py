@@ -575,11 +575,11 @@ def acceptance(sets: list[dict[str, Any]]) -> dict[str, Any]:
 
 def compare(good: dict[str, Any], control: dict[str, Any]) -> dict[str, Any]:
     """Is ``good`` clearly better than ``control``? The margin comes from the noise between prompt
-    sets: three times the standard deviation of the per-set differences (at least 0.1 token), and
-    ``good`` must win on every set."""
+    sets: three times the standard deviation of the per-set differences (so at least six standard
+    errors of their mean with four sets; never below 0.02 token), and ``good`` must win on every set."""
     diffs = [g - c for g, c in zip(good["per_set"], control["per_set"], strict=True)]
     noise = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
-    margin = max(3 * noise, 0.1)
+    margin = max(3 * noise, 0.02)
     gap = good["mean_accepted_length"] - control["mean_accepted_length"]
     return {"gap": round(gap, 4), "per_set_gaps": [round(d, 4) for d in diffs], "noise_sd": round(noise, 4),
             "margin": round(margin, 4), "clearly_better": gap > margin and min(diffs) > 0}

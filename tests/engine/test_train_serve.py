@@ -8,7 +8,8 @@ Minutes of CPU (two extractions, two trainings, four serving engines): marked ``
 the gate; ``nox -s train_serve`` or ``pytest --train-serve -m train_serve``. The figures go to
 ``SPECCOMPAT_TRAIN_SERVE_OUT`` when set (the nox session: ``benchmarks/results/train-serve-cpu.json``).
 
-``SPECCOMPAT_TRAIN_SERVE_MISLABEL=1`` runs it on a data set whose records name each input layer one
+``SPECCOMPAT_TRAIN_SERVE_WORK=DIR`` keeps the run's files in DIR (a target and samples already there
+are reused). ``SPECCOMPAT_TRAIN_SERVE_MISLABEL=1`` runs it on a data set whose records name each input layer one
 above the layer captured (docs/train-serve.md records such a run): check-draft finds nothing wrong
 there, and this test fails on the acceptance comparison, as it must.
 """
@@ -31,7 +32,7 @@ def result(tmp_path_factory):
     pytest.importorskip("datasets", reason="--format speculators-arrow needs `datasets` (speccompat[arrow])")
     from speccompat.testing.train_serve import run, summary
 
-    work = tmp_path_factory.mktemp("train-serve")
+    work = Path(os.environ.get("SPECCOMPAT_TRAIN_SERVE_WORK") or tmp_path_factory.mktemp("train-serve"))
     doc = run(work, lock=os.environ.get("SPECCOMPAT_ENGINE_LOCK"), mislabel=MISLABEL)
     print(summary(doc))
     out = os.environ.get("SPECCOMPAT_TRAIN_SERVE_OUT")
