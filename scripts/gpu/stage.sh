@@ -77,6 +77,35 @@ for f in "$work"/deps/*.whl; do  # transitive wheels the image already has (torc
   n=$(name_of "$f")
   if in_image "$n" || [[ $n == nvidia-* || $n == torchcodec || $n == pynvvideocodec ]]; then rm -f "$f"; else mv "$f" "$work/w/"; fi
 done
+# Exact pins of packages the image has at some version of its own (vLLM 0.34.0: nvidia-cutlass-dsl[cu13]
+# ==4.8.0, whose `cutlass` every CUDA worker imports in its kernel warm-up): staged at the pin, with the
+# parts its extras name. torch and its family are staged below; flashinfer-python after this.
+unzip -p "$vw" '*.dist-info/METADATA' | python3 -c '
+import sys
+from packaging.requirements import Requirement
+env = {"python_version": "3.12", "python_full_version": "3.12.3", "platform_machine": "x86_64",
+       "sys_platform": "linux", "platform_system": "Linux", "os_name": "posix", "implementation_name": "cpython",
+       "platform_python_implementation": "CPython", "extra": ""}
+image = {line.strip().lower() for line in open(sys.argv[1]) if line.strip()}
+skip = {"torch", "torchvision", "torchaudio", "triton", "flashinfer-python"}
+for line in sys.stdin:
+    if not line.startswith("Requires-Dist: "):
+        continue
+    req = Requirement(line[len("Requires-Dist: "):].strip())
+    name = req.name.lower().replace("_", "-").replace(".", "-")
+    pins = [sp for sp in req.specifier if sp.operator == "=="]
+    if (req.marker and not req.marker.evaluate(env)) or len(pins) != 1 or name in skip or name not in image:
+        continue
+    extras = "[" + ",".join(sorted(req.extras)) + "]" if req.extras else ""
+    print(f"{req.name}{extras}=={pins[0].version}")
+' "$IMAGE_PACKAGES" > "$work/pins.txt"
+[[ -s $work/pins.txt ]] && pip download -q -d "$work/pins" $(plat manylinux_2_39) -r "$work/pins.txt"
+for f in "$work"/pins/*.whl; do  # the pinned package and what it pins itself, never torch or CUDA runtime
+  [[ -f $f ]] || continue
+  n=$(name_of "$f")
+  case "$n" in torch|triton|nvidia-cuda-*|nvidia-cublas*|nvidia-nccl*|nvidia-cudnn-cu*|nvidia-cusparse*|nvidia-cufft*|nvidia-curand*|nvidia-cusolver*|nvidia-nvjitlink*|nvidia-nvtx*|nvidia-cufile*|nvidia-nvshmem*) ;;
+    *) cp -n "$f" "$work/w/" ;; esac
+done
 
 # flashinfer-python (pure Python, JIT; imported by the sampler): vLLM's pin where the index has it
 fi_pin=$(pin "$vw" flashinfer-python)
