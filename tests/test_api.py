@@ -8,6 +8,15 @@ import textwrap
 
 import pytest
 from fakes import release_facts, write_fake_speculators, write_fake_vllm
+from packaging.version import Version
+
+from speccompat.matrix import known_releases
+from speccompat.registry import adapter_modules
+
+#: The newest adapter's first release (its recorded facts make a fake vLLM of it), and a nightly of the
+#: minor release after it, which no adapter and no matrix row knows.
+NEWEST, NEWEST_ADAPTER = str(adapter_modules()[-1][0]), adapter_modules()[-1][1]
+NIGHTLY = f"{Version(NEWEST).major}.{Version(NEWEST).minor + 1}.0.dev5"
 
 
 def world(tmp_path, vllm_version="0.32.0", release="0.32.0", speculators="0.4.0.1", drop=()):
@@ -162,11 +171,11 @@ def test_unknown_nightly_matching_a_known_adapter_is_accepted_with_a_warning(tmp
         st = speccompat.status()
         print(json.dumps([st.state, st.adapter, st.vllm["dev"], st.matrix_row, st.warnings]))
         """),
-        path=world(tmp_path, vllm_version="0.34.0.dev5+g0123abc", release="0.33.0"),
+        path=world(tmp_path, vllm_version=f"{NIGHTLY}+g0123abc", release=NEWEST),
     ).stdout.splitlines()[-1]
     state, adapter, dev, row, warnings = json.loads(out)
-    assert (state, adapter, dev, row) == ("active", "vllm_0_33_0", True, None)
-    assert any("no compat_matrix.yaml row" in w and "0.34.0.dev5" in w for w in warnings)
+    assert (state, adapter, dev, row) == ("active", NEWEST_ADAPTER, True, None)
+    assert any("no compat_matrix.yaml row" in w and NIGHTLY in w for w in warnings)
 
 
 def test_unknown_nightly_matching_no_adapter_names_the_drifted_symbol(tmp_path, py):
@@ -180,7 +189,7 @@ def test_unknown_nightly_matching_no_adapter_names_the_drifted_symbol(tmp_path, 
         except speccompat.DriftError as e:
             print("DRIFT", e.symbol, "|", e)
         """),
-        path=world(tmp_path, vllm_version="0.34.0.dev5", release="0.33.0", drop=(dropped,)),
+        path=world(tmp_path, vllm_version=NIGHTLY, release=NEWEST, drop=(dropped,)),
     ).stdout
     assert f"DRIFT {dropped}" in proc and "no other adapter matches" in proc
 
@@ -243,13 +252,13 @@ def test_unsupported_combinations_warn_and_apply_nothing_or_raise_when_strict(tm
 def test_strict_mode_from_environment_rejects_a_version_without_matrix_row(tmp_path, py):
     proc = py(
         prog("speccompat.apply()\n"),
-        path=world(tmp_path, vllm_version="0.34.0.dev5", release="0.33.0"),
+        path=world(tmp_path, vllm_version=NIGHTLY, release=NEWEST),
         env={"SPECCOMPAT_STRICT": "1"},
         check=False,
     )
     assert proc.returncode != 0
     assert "UnsupportedError" in proc.stderr and "no compat_matrix.yaml row" in proc.stderr
-    assert "0.34.0.dev5" in proc.stderr
+    assert NIGHTLY in proc.stderr
 
 
 def test_version_override_for_builds_with_odd_versions(tmp_path, py):
@@ -302,8 +311,9 @@ def test_a_bad_version_override_is_named_with_what_is_valid_and_import_fixes_sti
     assert (state, patches, fixed, published) == ("unsupported", {"pydantic.reload_schema": "applied"},
                                                   "_reload_schema", False)
     [warning] = warnings
+    newest = max(known_releases(), key=Version)
     assert warning.startswith(f"SPECCOMPAT_VLLM_VERSION={value!r} {problem}: set it to a vLLM release version, "
-                              "0.11.0 or newer (e.g. 0.33.0)")
+                              f"0.11.0 or newer (e.g. {newest})")
     assert "or unset it to use the installed version" in warning
     assert out[-1] == "STRICT " + warning.split("; speccompat applied")[0]
 
