@@ -3,9 +3,11 @@ EAGLE-3 draft trained on a speccompat data set?
 
 One run (``python -m speccompat.testing.train_serve run --work DIR``):
 
-1. a tiny Llama target (:func:`speccompat.testing.models.make_checkpoint`, 6 layers, hidden 256) and
-   prepared samples: random prompts (loss mask 0) followed by the target's own greedy continuation
-   (loss mask 1), computed with transformers; held-out prompt sets from another seed;
+1. a tiny Llama target (:func:`speccompat.testing.models.make_checkpoint`, 6 layers, hidden 256)
+   trained for a minute or two with transformers on a synthetic language whose next token depends on
+   the previous two (:func:`make_target`), and prepared samples: prompts of that language (loss mask
+   0) followed by the target's own sampled continuation (loss mask 1), computed with transformers;
+   held-out prompt sets of the language from another seed;
 2. ``speccompat extract`` of the samples twice, ``--format speculators-arrow`` and ``--format
    speculators`` (the speculators 0.3/0.4 layout), on a real vLLM engine;
 3. training:
@@ -166,39 +168,91 @@ def speculators_09_path(cache: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # 1. target and samples
 
-#: Decoder layers after the draft's last input layer (3) whose residual updates are scaled down.
-QUIET_LAYERS = (4, 5)
-QUIET_SCALE = 0.1
+#: The target's language: each next token depends on the two before it. Over LANGUAGE_WORDS words, a
+#: random table names one likely successor of every pair (probability LANGUAGE_P), else any word.
+LANGUAGE_WORDS = list(range(4, 20))  # 16 words of the tokenizer's 512 (0-3: pad, bos, eos, unk)
+LANGUAGE_P = 0.8
+TARGET_STEPS = 400
 
 
-def make_target(path: Path) -> Path:
+def language(seed: int = 0) -> dict[tuple[int, int], int]:
+    """The successor table: pair of words -> its likely next word."""
+    rng = random.Random(seed)
+    return {(a, b): rng.choice(LANGUAGE_WORDS) for a in LANGUAGE_WORDS for b in LANGUAGE_WORDS}
+
+
+def sample_language(rng: random.Random, table: dict[tuple[int, int], int], n: int) -> list[int]:
+    s = [rng.choice(LANGUAGE_WORDS), rng.choice(LANGUAGE_WORDS)]
+    while len(s) < n:
+        s.append(table[(s[-2], s[-1])] if rng.random() < LANGUAGE_P else rng.choice(LANGUAGE_WORDS))
+    return s
+
+
+def target_accuracy(model: Any, table: dict[tuple[int, int], int], rows: list[list[int]]) -> float:
+    """How often the target's top token is the language's likely successor of the last two tokens."""
+    import torch
+
+    with torch.no_grad():
+        pred = model(torch.tensor(rows)).logits.argmax(-1)[:, 1:-1]
+    want = torch.tensor([[table[(r[i - 1], r[i])] for i in range(1, len(r) - 1)] for r in rows])
+    return float((pred == want).float().mean())
+
+
+def make_target(path: Path, *, steps: int = TARGET_STEPS) -> tuple[Path, dict[str, Any]]:
     """The tiny Llama (:func:`~speccompat.testing.models.make_checkpoint` ``llama``: 6 layers, hidden
-    256, so the next token depends on the context) with the residual updates of the layers after the
-    draft's last input layer (``o_proj`` and ``down_proj`` of layers 4 and 5) scaled by 0.1, to make
-    the draft's input layers decide the output: the final norm + lm_head applied to layer 3's output
-    picks the target's own next token for 86% of the tokens (layer 2: 27%; unscaled: 21% and 12%,
-    :func:`logit_lens`). Measured (docs/train-serve.md): this did not make the layer-shifted control
-    clearly worse; a 300-step one-layer draft reached a mean accepted length of 1.105 on the unscaled
-    target and 1.101 on this one."""
-    from safetensors.torch import load_file, save_file
+    256), trained briefly with transformers (fp32, AdamW, ``steps`` batches of 16 sequences of 32
+    tokens) on :func:`language`, then saved in bf16 over the random weights (config and tokenizer
+    are make_checkpoint's). Its next token then depends on the previous two, which its hidden states
+    carry: a draft predicting two tokens ahead needs the previous one, and reads it from the layers
+    it was trained on. (A random-weight target's greedy continuation is chaotic: a draft learned
+    almost nothing from its states and served with the wrong layers as well as with the right ones.)"""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
     from speccompat.testing.models import make_checkpoint
 
     path = Path(path)
-    marker = path / "speccompat_quiet_layers.json"
-    want = {"layers": list(QUIET_LAYERS), "scale": QUIET_SCALE}
-    if marker.exists() and json.loads(marker.read_text()) == want:
-        return path
+    marker = path / "speccompat_trained_target.json"
+    want = {"words": len(LANGUAGE_WORDS), "p": LANGUAGE_P, "steps": steps}
+    if marker.exists() and json.loads(marker.read_text()).get("recipe") == want:
+        return path, json.loads(marker.read_text())
     if path.exists():
         shutil.rmtree(path)
     make_checkpoint("llama", path)
-    weights = load_file(path / "model.safetensors")
-    for i in QUIET_LAYERS:
-        for name in (f"model.layers.{i}.self_attn.o_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"):
-            weights[name] = (weights[name].float() * QUIET_SCALE).to(weights[name].dtype)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    marker.write_text(json.dumps(want))
-    return path
+    table = language()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a shared 2-core machine more threads oversubscribe and run far slower
+    torch.manual_seed(0)
+    t0 = time.monotonic()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: min(1.0, (k + 1) / 20) * (1 - k / steps))
+        rng = random.Random(1)
+        model.train()
+        for _ in range(steps):
+            batch = torch.tensor([sample_language(rng, table, 32) for _ in range(16)])
+            loss = model(batch, labels=batch).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+        model.eval()
+        held = random.Random(99)
+        rows = [sample_language(held, table, 64) for _ in range(32)]
+        acc32 = target_accuracy(model, table, rows)
+        weights = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+        bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        acc16 = target_accuracy(bf16, table, rows)
+    finally:
+        torch.set_num_threads(threads)
+    info = {"recipe": want, "train_s": round(time.monotonic() - t0, 1), "final_loss": round(float(loss.detach()), 4),
+            "accuracy_fp32": round(acc32, 4), "accuracy_bf16": round(acc16, 4)}
+    marker.write_text(json.dumps(info))
+    return path, info
 
 
 def logit_lens(target: Path, rows: list[list[int]]) -> dict[str, float]:
@@ -226,12 +280,11 @@ def prepare(work: Path, *, samples: int, prompt_len: int, response_len: int, set
     import torch
     from transformers import AutoModelForCausalLM
 
-    from speccompat.testing.models import VOCAB_SIZE
-
-    target = make_target(work / "target")
-    words = list(range(4, VOCAB_SIZE))  # 0-3: pad, bos, eos, unk
+    torch.set_num_threads(1)  # a shared 2-core machine: more threads oversubscribe and run far slower
+    target, target_info = make_target(work / "target")
+    table = language()
     rng = random.Random(seed)
-    prompts = [[rng.choice(words) for _ in range(prompt_len)] for _ in range(samples)]
+    prompts = [sample_language(rng, table, prompt_len) for _ in range(samples)]
     path = work / "samples.jsonl"
     if not path.exists():
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -239,8 +292,10 @@ def prepare(work: Path, *, samples: int, prompt_len: int, response_len: int, set
         for k in range(0, samples, 64):
             batch = torch.tensor(prompts[k:k + 64])
             with torch.no_grad():
+                torch.manual_seed(seed + k)
                 out = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=response_len,
-                                     min_new_tokens=response_len, do_sample=False, pad_token_id=0)
+                                     min_new_tokens=response_len, do_sample=True, temperature=1.0, top_k=0,
+                                     top_p=1.0, pad_token_id=0)
             rows += out.tolist()
         tmp = path.with_suffix(".partial")
         tmp.write_text("".join(json.dumps({"id": f"s{k:04d}", "input_ids": ids,
@@ -253,7 +308,7 @@ def prepare(work: Path, *, samples: int, prompt_len: int, response_len: int, set
     for _ in range(sets):
         group = []
         while len(group) < per_set:
-            p = [held.choice(words) for _ in range(prompt_len)]
+            p = sample_language(held, table, prompt_len)
             if tuple(p) not in seen:
                 seen.add(tuple(p))
                 group.append(p)
@@ -261,8 +316,8 @@ def prepare(work: Path, *, samples: int, prompt_len: int, response_len: int, set
     (work / "heldout.json").write_text(json.dumps(heldout))
     tokens = sum(len(json.loads(line)["input_ids"]) for line in path.read_text().splitlines())
     lens = logit_lens(target, [json.loads(line)["input_ids"] for line in path.read_text().splitlines()[:32]])
-    return {"target": str(target), "quiet_layers": list(QUIET_LAYERS), "quiet_scale": QUIET_SCALE,
-            "logit_lens_top1_agreement": lens, "samples": samples, "tokens": tokens, "prompt_len": prompt_len,
+    return {"target": str(target), "target_training": target_info, "language_words": len(LANGUAGE_WORDS),
+            "language_p": LANGUAGE_P, "logit_lens_top1_agreement": lens, "samples": samples, "tokens": tokens, "prompt_len": prompt_len,
             "response_len": response_len, "heldout_sets": sets, "heldout_per_set": per_set}
 
 
@@ -401,7 +456,16 @@ class CpuTrainer:
         print(json.dumps({"done": summary}), flush=True)
 
 
+def _threads() -> None:
+    """Training threads: ``SPECCOMPAT_TRAIN_SERVE_THREADS``, default 1 (on a loaded 2-core machine two
+    threads oversubscribe and a step runs several times slower than with one)."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("SPECCOMPAT_TRAIN_SERVE_THREADS", "1")))
+
+
 def _child_train09(argv: list[str]) -> None:
+    _threads()
     import speculators.train.cli as cli
     from speculators.train.config import TrainConfig
 
@@ -441,6 +505,7 @@ def block_mask_sdpa(module: Any, query: Any, key: Any, value: Any, attention_mas
 def _child_train04(spec: dict[str, Any]) -> None:
     import speccompat
 
+    _threads()
     speccompat.apply()  # speculators 0.3/0.4's import fixes (pydantic >= 2.13); nothing else is used here
     import torch
     from speculators.models.eagle3.attention import ALL_ATTENTION_FUNCTIONS
@@ -589,7 +654,7 @@ def compare(good: dict[str, Any], control: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(work: Path, *, lock: str | None, mislabel: bool = False, with_04: bool = True, samples: int = 128,
-        steps: int = 300, epochs_04: int = 10, lr: float = 3e-3, sets: int = 4, per_set: int = 8,
+        steps: int = 150, epochs_04: int = 5, lr: float = 3e-3, sets: int = 4, per_set: int = 8,
         max_tokens: int = 64, total_seq_len: int = 512) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -716,8 +781,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="flock this file while each engine runs (default: $SPECCOMPAT_ENGINE_LOCK)")
     r.add_argument("--mislabel", action="store_true", help="the Arrow data set records layers one above those captured")
     r.add_argument("--no-04", dest="with_04", action="store_false", help="skip the speculators 0.4.0.1 path")
-    r.add_argument("--steps", type=int, default=300, help="speculators 0.9.0 training steps")
-    r.add_argument("--epochs-04", type=int, default=10, help="speculators 0.4.0.1 training epochs")
+    r.add_argument("--steps", type=int, default=150, help="speculators 0.9.0 training steps")
+    r.add_argument("--epochs-04", type=int, default=5, help="speculators 0.4.0.1 training epochs")
     r.add_argument("--samples", type=int, default=128, help="prepared samples (16 + 48 tokens each)")
     a = ap.parse_args(argv)
     doc = run(a.work, lock=a.engine_lock, mislabel=a.mislabel, with_04=a.with_04, steps=a.steps,
