@@ -11,6 +11,9 @@
 #   device_run.sh bench              throughput of speculators+speccompat vs plain vLLM prefill
 #   device_run.sh fp8-error          fp8 hidden states' error per layer and scale granularity (benchmarks/fp8_error.py):
 #                                    the 8B shape at $CKPT (/dev/shm/ckpt-8b) and Kimi-K2.5's tiny checkpoint
+#   device_run.sh smoke              one engine start on a tiny Llama (what every test needs first), with a
+#                                    limit of $SMOKE_TIMEOUT s (240): a release whose engine cannot start fails
+#                                    here in minutes, not in every test of the proof
 #   device_run.sh ckpt8b             build the 8B-shaped checkpoint at $CKPT (/tmp/ckpt-8b) in the background
 #                                    (it outlives the call; /tmp/ckpt-8b.done when finished)
 # Results go to $OUT (evidence JSON, logs, benchmark JSON).
@@ -79,8 +82,11 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
     export SPECCOMPAT_EVIDENCE_OUT="$OUT/vllm-$V-tp$TP-$RUNNER${OUT_NAME:+-$OUT_NAME}.json" SPECCOMPAT_TEST_TP="$TP" SPECCOMPAT_TEST_RUNNER="$RUNNER"
     BT="/tmp/pytest-$N"
     set +e
-    timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --basetemp="$BT" ${PYTEST_ARGS:-} ${TEST_FILES:-tests/engine/test_parity.py \
-      tests/engine/test_silent_bugs.py} -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -60 | tee "$OUT/pytest-$N.txt"
+    # At the limit pytest gets SIGINT, not SIGTERM, so that it still reports what ran, how long each
+    # test took and where the one it was in stood; a test past FAULT_TIMEOUT s dumps every thread's stack.
+    timeout -s INT -k 30 "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --basetemp="$BT" --durations=0 \
+      -o faulthandler_timeout="${FAULT_TIMEOUT:-240}" ${PYTEST_ARGS:-} ${TEST_FILES:-tests/engine/test_parity.py \
+      tests/engine/test_silent_bugs.py} -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -400 | tee "$OUT/pytest-$N.txt"
     rc=${PIPESTATUS[0]}
     for f in "$BT"/engines0/logs/*.log; do
       [ -f "$f" ] && { echo "=== $f"; tail -c 20000 "$f"; }
@@ -118,6 +124,20 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
     tail -n 12 "$OUT"/pytest-v2-tp1-parity.txt "$OUT"/pytest-v2-tp1-kimi.txt "$OUT"/pytest-v2-tp1-oracles.txt
     exit $rc
     ;;
+  smoke)
+    timeout "${SMOKE_TIMEOUT:-240}" python3 -c "
+import time
+t0 = time.monotonic()
+from cutlass import Float8E4M3FN  # CuTe DSL, which vLLM's kernel warm-up imports on every CUDA start
+from speccompat.testing.models import make_checkpoint
+from vllm import LLM, SamplingParams
+make_checkpoint('llama', '/tmp/smoke-llama')
+llm = LLM(model='/tmp/smoke-llama', enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=256)
+out = llm.generate([{'prompt_token_ids': [5, 6, 7, 8]}], SamplingParams(max_tokens=4, temperature=0))
+print('engine up and generating in', round(time.monotonic() - t0, 1), 's:', list(out[0].outputs[0].token_ids))
+" 2>&1 | tail -25 | tee "$OUT/smoke.txt"
+    exit "${PIPESTATUS[0]}"
+    ;;
   kimi)
     RUNNER="${2:-v2}"; TP="${3:-1}"
     TEST_FILES="tests/engine/test_parity.py tests/engine/test_int4.py" \
@@ -144,5 +164,5 @@ open('/tmp/ckpt-8b.done', 'w').close()" > /tmp/ckpt-8b.log 2>&1 < /dev/null &
     PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 benchmarks/fp8_error.py --model kimi_k25 \
       --out "$OUT/fp8-error-gpu-kimi_k25.json"
     ;;
-  *) echo "usage: device_run.sh install | test [v1|v2] [TP] | proof | kimi [v1|v2] [TP] | reset | ckpt8b | bench | fp8-error"; exit 2 ;;
+  *) echo "usage: device_run.sh install | smoke | test [v1|v2] [TP] | proof | kimi [v1|v2] [TP] | reset | ckpt8b | bench | fp8-error"; exit 2 ;;
 esac
