@@ -184,9 +184,8 @@ TARGET_STEPS = 600
 #: layer's output; shifted down by one (0 1 2) they do not.
 ATTENTION_FROM = 3
 #: Each decoder layer's output carries a fixed random vector of its own (RMS LAYER_OFFSET_RMS, larger
-#: than the states' own, written by its MLP's down_proj bias, frozen while the target trains), as the
-#: layers of large models write layer-specific components of large norm: neighbouring layers' outputs
-#: then differ as they do there, instead of being near copies of each other.
+#: than the states' own, written by its MLP's down_proj bias, frozen while the target trains), so that
+#: neighbouring layers' outputs are not near copies of each other.
 LAYER_OFFSET_RMS = 16.0
 
 Table = dict[int, dict[int, int]]
