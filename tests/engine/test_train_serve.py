@@ -9,10 +9,9 @@ the gate; ``nox -s train_serve`` or ``pytest --train-serve -m train_serve``. The
 ``SPECCOMPAT_TRAIN_SERVE_OUT`` when set (the nox session: ``benchmarks/results/train-serve-cpu.json``).
 
 ``SPECCOMPAT_TRAIN_SERVE_WORK=DIR`` keeps the run's files in DIR (a target and samples already there
-are reused). ``SPECCOMPAT_TRAIN_SERVE_MISLABEL=1`` runs it on a data set whose records name each input layer one
-above the layer captured: check-draft finds nothing wrong there, and only the acceptance comparison
-with the shifted control can fail. docs/train-serve.md: on today's tiny target the shifted control
-is not clearly worse even on a correct data set, so this test fails there too (see that page).
+are reused). ``SPECCOMPAT_TRAIN_SERVE_MISLABEL=1`` runs it on a data set whose records name each input
+layer one above the layer captured: check-draft finds nothing wrong there, and the comparison with the
+shifted control fails (docs/train-serve.md shows that run).
 """
 
 from __future__ import annotations
