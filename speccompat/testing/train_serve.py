@@ -237,9 +237,9 @@ def make_target(path: Path, *, steps: int = TARGET_STEPS) -> tuple[Path, dict[st
 
     What each did, measured on this run's CPU path (mean accepted length, trained draft vs the same draft
     served its layers shifted by one): a target trained on a second-order language, all layers
-    attending, 3.72 vs 3.73; with the key entering at layer 3 only, 3.99 vs 3.73 (the draft recovers
-    the key from the tokens themselves: each consecutive pair of a greedy continuation tells the
-    table apart, and a one-layer draft learns that from its own inputs); with the offsets too, 3.82 vs
+    attending, 3.72 vs 3.73; with the key entering at layer 3 only, 3.99 vs 3.73 (and the draft can
+    recover the key from the text itself: two consecutive words of a greedy continuation name the
+    table); with the offsets too, 3.82 vs
     2.24. Without the offsets, neighbouring layers' outputs had a cosine similarity of 0.85-0.97, so
     a draft served its layers' neighbours saw nearly what it was trained on."""
     import torch
@@ -307,37 +307,26 @@ def make_target(path: Path, *, steps: int = TARGET_STEPS) -> tuple[Path, dict[st
     return path, info
 
 
-def logit_lens(target: Path, rows: list[list[int]]) -> dict[str, float]:
-    """How often the final norm + lm_head applied to decoder layer i's output picks the target's own
-    next token (transformers, fp32): how much of the answer each layer's state holds."""
+def layer_probe(target: Path, rows: list[list[int]]) -> dict[str, dict[str, float]]:
+    """What each decoder layer's output holds (transformers, fp32, one forward pass over ``rows``):
+    ``logit_lens_top1_agreement``, how often the final norm + lm_head applied to layer i's output
+    picks the target's own next token (how much of the answer that layer holds); and
+    ``cosine_to_previous_layer``, the mean cosine similarity of layer i's output to layer i-1's (how
+    much a draft served its input layers' neighbours sees what it was trained on)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    batch = torch.tensor(rows)
+    n = model.config.num_hidden_layers
     with torch.no_grad():
-        out = model(batch, output_hidden_states=True)
+        out = model(torch.tensor(rows), output_hidden_states=True)
+        states = out.hidden_states  # entry i+1: output of layer i, before the norm (the last: after it)
         final = out.logits.argmax(-1)
-        agree = {}
-        for i in range(model.config.num_hidden_layers - 1):  # entry i+1: output of layer i, before the norm
-            lens = model.lm_head(model.model.norm(out.hidden_states[i + 1])).argmax(-1)
-            agree[f"layer_{i}"] = round(float((lens == final).float().mean()), 4)
-    return agree
-
-
-def neighbour_cosine(target: Path, rows: list[list[int]]) -> dict[str, float]:
-    """The mean cosine similarity between decoder layer i's output and layer i-1's (transformers, fp32):
-    how alike the states of neighbouring layers are, i.e. how much a draft served its input layers'
-    neighbours sees what it was trained on."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    with torch.no_grad():
-        states = model(torch.tensor(rows), output_hidden_states=True).hidden_states
+        lens = {f"layer_{i}": round(float((model.lm_head(model.model.norm(states[i + 1])).argmax(-1) == final)
+                                          .float().mean()), 4) for i in range(n - 1)}
     cos = torch.nn.functional.cosine_similarity
-    return {f"layer_{i}": round(float(cos(states[i + 1], states[i], dim=-1).mean()), 4)
-            for i in range(1, model.config.num_hidden_layers - 1)}
+    neighbours = {f"layer_{i}": round(float(cos(states[i + 1], states[i], dim=-1).mean()), 4) for i in range(1, n - 1)}
+    return {"logit_lens_top1_agreement": lens, "cosine_to_previous_layer": neighbours}
 
 
 def prepare(work: Path, *, samples: int, prompt_len: int, response_len: int, sets: int, per_set: int,
@@ -381,14 +370,11 @@ def prepare(work: Path, *, samples: int, prompt_len: int, response_len: int, set
                 group.append(p)
         heldout.append(group)
     (work / "heldout.json").write_text(json.dumps(heldout))
-    tokens = sum(len(json.loads(line)["input_ids"]) for line in path.read_text().splitlines())
-    probe_rows = [json.loads(line)["input_ids"] for line in path.read_text().splitlines()[:32]]
-    lens = logit_lens(target, probe_rows)
-    neighbours = neighbour_cosine(target, probe_rows)
+    texts = [json.loads(line)["input_ids"] for line in path.read_text().splitlines()]
     return {"target": str(target), "target_training": target_info, "language_words": len(LANGUAGE_WORDS),
             "language_keys": len(LANGUAGE_KEYS), "language_p": LANGUAGE_P, "attention_from_layer": ATTENTION_FROM,
-            "layer_offset_rms": LAYER_OFFSET_RMS, "logit_lens_top1_agreement": lens,
-            "cosine_to_previous_layer": neighbours, "samples": samples, "tokens": tokens, "prompt_len": prompt_len,
+            "layer_offset_rms": LAYER_OFFSET_RMS, **layer_probe(target, texts[:32]), "samples": samples,
+            "tokens": sum(map(len, texts)), "prompt_len": prompt_len,
             "response_len": response_len, "heldout_sets": sets, "heldout_per_set": per_set}
 
 
