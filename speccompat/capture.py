@@ -247,6 +247,10 @@ class _Step:
         return pos.numpy(), (ids.numpy() if ids is not None else None), bool(flagged.any())
 
 
+#: :meth:`_Plan.buffer`: the reply's staging file is being made; its rows are placed once it is there.
+PENDING = object()
+
+
 class _Plan:
     """Where the rows of each request of a call go in its reply: ``[layer, offset + position]``,
     requests in the call's order (as :meth:`WorkerCapture._collect` lays them out)."""
@@ -266,12 +270,19 @@ class _Plan:
         self.desc: dict[str, Any] | None = None
         self.buf: Any = None
         self.stream: Any = None  # the side stream the copies run on
+        #: Steps whose rows wait for the reply's staging file, which is being made (``(step, runs)``).
+        self.pending: list[tuple[Any, list[list[int]]]] = []
 
-    def buffer(self, staging: Any, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
-        """The reply's pinned staging view (allocated on the first step), or ``None`` where the
-        reply would travel inline or unpinned (then a copy would block the step)."""
+    def buffer(self, staging: Any, shape: tuple[int, ...], dtype: Any, device: Any, wait: bool = False) -> Any:
+        """The reply's pinned staging view (allocated on the first step), ``None`` where the reply
+        would travel inline or unpinned (then a copy would block the step), or ``PENDING`` while its
+        file is being made (``wait``: wait for it instead)."""
         if self.desc is None:
-            self.desc, self.buf = staging.allocate(shape, dtype, device, busy=self.busy)
+            got = (staging.allocate(shape, dtype, device, busy=self.busy) if wait
+                   else staging.try_allocate(shape, dtype, device, busy=self.busy))
+            if got is None:
+                return PENDING
+            self.desc, self.buf = got
             if getattr(device, "type", device) == "cuda" and ("staging" not in self.desc or not staging.last.pinned):
                 self.buf = None  # a copy into pageable memory would block the step
         if self.buf is not None and (tuple(self.buf.shape) != tuple(shape) or self.buf.dtype != dtype):
@@ -516,31 +527,45 @@ class WorkerCapture:
                 runs.append([src, dst, n])
             plan.done[rid] = start + n
             src += n
+        plan.pending.append((step, runs))
+        self._place_pending(first)
+
+    def _place_pending(self, first: Any, wait: bool = False) -> None:
+        """Copy the rows of the steps waiting for the reply's staging file, once it is there (or
+        ``wait`` for it: the end of the call). A file that must be made is made on a thread while
+        the next steps compute (:meth:`~speccompat.transport.Staging.try_allocate`); their rows stay
+        on the device until then, as every step's do until the call is collected."""
+        plan = self.plan
         try:
             buf = plan.buffer(self.staging, (len(self.layer_ids), plan.total, first.shape[-1]), first.dtype,
-                              first.device)
+                              first.device, wait=wait)
         except Exception as exc:  # noqa: BLE001 - placement is an optimisation: gather at the end instead
             plan.off = f"no staging file: {exc}"
+            return
+        if buf is PENDING:
             return
         if buf is None:
             plan.off = "the reply travels inline or in unpinned memory"
             return
+        steps, plan.pending = plan.pending, []
         if first.device.type == "cpu":  # one copy now instead of two (cat, index_select) at the end
-            for i, layer_id in enumerate(self.layer_ids):
-                t = step.layers[layer_id]
-                for s0, d0, n in runs:
-                    buf[i, d0 : d0 + n].copy_(t[s0 : s0 + n])
+            for step, runs in steps:
+                for i, layer_id in enumerate(self.layer_ids):
+                    t = step.layers[layer_id]
+                    for s0, d0, n in runs:
+                        buf[i, d0 : d0 + n].copy_(t[s0 : s0 + n])
             return
         import torch
 
         side = plan.stream = self._side_stream(first.device)
         side.wait_stream(torch.cuda.current_stream(first.device))
         with torch.cuda.stream(side):
-            for i, layer_id in enumerate(self.layer_ids):
-                t = step.layers[layer_id]
-                t.record_stream(side)  # the caching allocator must not reuse it before the copy ran
-                for s0, d0, n in runs:
-                    buf[i, d0 : d0 + n].copy_(t[s0 : s0 + n], non_blocking=True)
+            for step, runs in steps:
+                for i, layer_id in enumerate(self.layer_ids):
+                    t = step.layers[layer_id]
+                    t.record_stream(side)  # the caching allocator must not reuse it before the copy ran
+                    for s0, d0, n in runs:
+                        buf[i, d0 : d0 + n].copy_(t[s0 : s0 + n], non_blocking=True)
 
     def _screen(self, step: _Step) -> None:
         """Bring the step's positions, token ids and finiteness screen (one flag per layer) to the
@@ -651,6 +676,8 @@ class WorkerCapture:
         t_verified = time.perf_counter()
         plan = self.plan
         if plan is not None:
+            if plan.pending and plan.off is None:  # the staging file was still being made
+                self._place_pending(plan.pending[0][0].layers[self.layer_ids[0]], wait=True)
             plan.wait()  # the last steps' copies
             if (plan.off is None and plan.buf is not None and restarts == 0 and plan.req_ids == list(req_ids)
                     and plan.lengths == lengths and not (flagged and self._any_nonfinite())):
@@ -694,6 +721,7 @@ class WorkerCapture:
                t_verified: float, placed: int) -> dict[str, Any]:
         import time
 
+        built_s = self.staging.take_built()
         made, made_s = self.staging.take_made()
         return {
             "steps": len(self.steps),
@@ -704,7 +732,8 @@ class WorkerCapture:
             "worker_verify_s": round(t_verified - t0, 4),
             "worker_gather_s": round(time.perf_counter() - t_verified, 4),
             "staging_made": made,  # staging files this call had to make (a larger batch, or all in use)
-            "staging_made_s": round(made_s, 4),  # seconds making and pinning them (inside the call)
+            "staging_made_s": round(made_s, 4),  # seconds the call waited for them to be made and pinned
+            "staging_built_s": round(built_s, 4),  # seconds they took on the build thread, beside the steps
         }
 
     def _any_nonfinite(self) -> bool:
@@ -764,8 +793,8 @@ def worker_info(self: Any) -> dict[str, Any]:
     """Added to the worker extension: lets the driver check that its workers are patched alike."""
     import multiprocessing
 
-    from . import __version__
     from ._state import STATE
+    from ._version import __version__
 
     runner = getattr(self, "model_runner", None)
     return {

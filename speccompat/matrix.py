@@ -259,8 +259,8 @@ def load(path: str | None = None) -> Matrix:
 #: release's part (:func:`release_capture_path`): these core modules, the adapter modules it runs
 #: (the selected one and its parents) and its fingerprint; a change to another release's adapter
 #: leaves its cells current.
-HOT_PATH = ("__init__.py", "_state.py", "adapter.py", "api.py", "capture.py", "detect.py", "errors.py",
-            "generator.py", "importhooks.py", "layers.py", "patches", "patching.py", "platform.py",
+HOT_PATH = ("__init__.py", "_state.py", "_version.py", "adapter.py", "api.py", "capture.py", "detect.py",
+            "errors.py", "generator.py", "importhooks.py", "layers.py", "patches", "patching.py", "platform.py",
             "plugin.py", "probe.py", "registry.py", "stand_ins.py", "streaming.py", "transport.py")
 #: speccompat modules that do not run during an extraction: reports and the command line, this
 #: matrix, the static probe (static evidence), the release watch, the scale-out helpers of the example
@@ -283,7 +283,7 @@ def hot_path_files(root: Any) -> list[str]:
 
 #: The file whose ``__version__`` assignment is no capture code: a release of speccompat changes the
 #: version string and nothing a run does, so the capture path's hashes read it with the value masked.
-UNVERSIONED = "speccompat/__init__.py"
+UNVERSIONED = "speccompat/_version.py"
 #: How the capture path is hashed: 1, every byte of its files; 2, ``UNVERSIONED``'s version masked
 #: (:func:`capture_bytes`). ``evidence/hot_path.json`` says which, and translates the release hashes
 #: recorded under scheme 1 (``translated``, :func:`hot_path_state`).

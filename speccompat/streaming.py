@@ -161,10 +161,11 @@ def take(worker: Any, req_ids: list[str], busy: list[str]) -> dict[str, Any] | N
         copier.synchronize()  # the rows are in the staging file; the step running now goes on
     else:
         cap.staging.ready()
+    built_s = cap.staging.take_built()
     made, made_s = cap.staging.take_made()
     stats = {"steps": st.steps, "chunked": st.chunked, "restarted": st.restarts, "unverified_steps": st.unverified,
              "worker_take_s": round(time.perf_counter() - t0, 4), "staging_made": made,
-             "staging_made_s": round(made_s, 4)}
+             "staging_made_s": round(made_s, 4), "staging_built_s": round(built_s, 4)}
     return {"req_ids": list(req_ids), "lengths": lengths, "layer_ids": list(cap.layer_ids), "states": desc,
             "nonfinite": nonfinite, "stats": stats}
 

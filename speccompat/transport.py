@@ -11,7 +11,8 @@ Two kinds of file:
 * :func:`allocate` / :func:`pack`: a new file per reply (the driver's mapping is the only one left
   once it has unlinked it).
 * :class:`Staging`: the worker keeps its files and reuses them from reply to reply, grown when a
-  batch needs more. Fresh shared pages are slow to write (a page fault per 4 KiB, and a GPU can
+  batch needs more (made and pinned on a thread of their own while the engine computes, where the
+  caller can wait for them: :meth:`Staging.try_allocate`). Fresh shared pages are slow to write (a page fault per 4 KiB, and a GPU can
   only copy into them through a bounce buffer: 1.3 GB/s measured on an H200 host); reused pages are
   already there, and when the states come from a GPU a file is registered with CUDA once (pinned),
   so each reply is one DMA copy (55 GB/s measured). The driver keeps its mapping of each file and
@@ -30,6 +31,7 @@ import logging
 import math
 import os
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any
@@ -169,6 +171,40 @@ class _Buffer:
         self.flat, self.pinned = None, None
 
 
+class _Build:
+    """A staging file being made (and pinned, for CUDA copies) on a thread of its own: making a
+    multi-GB file and registering it with CUDA takes seconds, which the engine's steps can overlap
+    (``posix_fallocate`` and ``cudaHostRegister`` release the GIL)."""
+
+    def __init__(self, capacity: int, device: Any) -> None:
+        self.capacity = capacity
+        self.buffer: _Buffer | None = None
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, args=(device,), name="speccompat-staging", daemon=True)
+        self.thread.start()
+
+    def _run(self, device: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            buf = _Buffer(self.capacity)
+            if getattr(device, "type", device) == "cuda":
+                import torch
+
+                with torch.cuda.device(device):  # registered for this worker's device, not the thread's default
+                    buf.pin()
+            self.buffer = buf
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller that installs the build
+            self.error = exc
+        self.seconds = time.perf_counter() - t0
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def join(self) -> None:
+        self.thread.join()
+
+
 class Staging:
     """Worker side: reusable shared-memory files, pinned for CUDA copies when states come from a GPU.
 
@@ -177,26 +213,100 @@ class Staging:
     reused for the next reply unless the driver says it is ``busy`` (it handed out views of it that
     are still alive); then another file is used, made when none is free. A file that is too small is
     replaced by a larger one. Files are removed by the driver's first mapping, or at exit.
+
+    :meth:`try_allocate` does not wait: where no free file fits it starts making one on a thread
+    (:class:`_Build`) and returns None; the caller keeps its rows and asks again later (the capture
+    places a call's steps once the file is there), and :meth:`allocate` waits for a build that fits
+    instead of making another file. So a call that outgrows every file pays for the new one only
+    where the engine's steps did not cover it.
     """
 
     def __init__(self) -> None:
         self.buffers: list[_Buffer] = []
         self.last: _Buffer | None = None
         self.cuda = False
-        #: Files made (and pinned) since :meth:`take_made` was last called, and the seconds that took:
-        #: a new multi-GB pinned file costs seconds on a GPU host, so the call stats report it.
-        self.made, self.made_s = 0, 0.0
+        self.build: _Build | None = None  # the file being made on a thread (one at a time)
+        #: Files made (and pinned) since :meth:`take_made` was last called, and the seconds callers
+        #: waited for them: a new multi-GB pinned file costs seconds on a GPU host, so the call stats
+        #: report it; ``built_s``: the seconds files took on the build thread (overlapping the steps).
+        self.made, self.made_s, self.built_s = 0, 0.0, 0.0
         atexit.register(self.release)
 
     def take_made(self) -> tuple[int, float]:
-        """(files made, seconds spent making and pinning them) since the last call; resets both."""
-        out, self.made, self.made_s = (self.made, self.made_s), 0, 0.0
+        """(files made, seconds spent waiting for them to be made and pinned) since the last call;
+        resets both (and ``built_s``, read before: :meth:`take_built`)."""
+        out, self.made, self.made_s, self.built_s = (self.made, self.made_s), 0, 0.0, 0.0
         return out
+
+    def take_built(self) -> float:
+        """Seconds spent making files on the build thread since the last :meth:`take_made`."""
+        return self.built_s
 
     # the file of the last reply (tests and logs)
     path = property(lambda self: self.last.path if self.last else None)
     pinned = property(lambda self: self.last.pinned if self.last else None)
     capacity = property(lambda self: self.last.capacity if self.last else 0)
+
+    def _install(self, busy: set[str]) -> bool:
+        """Take a finished build into the pool, in place of the largest free file smaller than it
+        (its pages go back). A build that failed for want of room is dropped and answers False (the
+        reply then travels inline); any other failure is raised."""
+        build, self.build = self.build, None
+        if build is None:
+            return True
+        self.built_s += build.seconds
+        if build.error is not None:
+            if isinstance(build.error, OSError) and _no_room(build.error):
+                return False
+            raise build.error
+        smaller = [b for b in self.buffers if b.id not in busy and b.capacity < build.capacity]
+        if smaller:
+            old = max(smaller, key=lambda b: b.capacity)
+            self.buffers.remove(old)
+            old.release()
+        self.buffers.append(build.buffer)
+        self.made += 1
+        return True
+
+    def _grown(self, nbytes: int, free: list[_Buffer]) -> int:
+        return -(-max([nbytes] + [b.capacity + b.capacity // 4 for b in free]) // _ROUND) * _ROUND
+
+    def _view(self, chosen: _Buffer, shape: tuple[int, ...], dtype: Any, nbytes: int) -> tuple[dict[str, Any], Any]:
+        self.last = chosen
+        buf = chosen.flat[:nbytes].view(dtype).view(shape)
+        desc = {"file": chosen.path, "staging": chosen.id, "owner": os.getpid(), "capacity": chosen.capacity,
+                "pool": [b.id for b in self.buffers], "shape": list(shape), "dtype": _dtype_name(dtype)}
+        return desc, buf
+
+    def try_allocate(self, shape: tuple[int, ...], dtype: Any, device: Any = None,
+                     busy: Any = ()) -> tuple[dict[str, Any], Any] | None:
+        """As :meth:`allocate`, without waiting for a file to be made: None while one that fits is
+        being made (started here where needed). Inline replies are answered at once."""
+        import torch
+
+        self.cuda = getattr(device, "type", device) == "cuda"
+        nbytes = math.prod(shape) * dtype.itemsize
+        busy = set(busy)
+        room = self._install(busy) if self.build is not None and self.build.done() else True
+        free = [b for b in self.buffers if b.id not in busy]
+        fits = [b for b in free if b.capacity >= nbytes]
+        if nbytes <= INLINE_LIMIT or (not fits and not (room and _shm_has_room(nbytes))):
+            buf = torch.empty(shape, dtype=dtype)
+            return {"inline": buf}, buf
+        if not fits:
+            if self.build is None or self.build.capacity < nbytes:
+                if self.build is not None:  # too small for this reply: let it finish, then make the larger one
+                    self.build.join()
+                    self._install(busy)
+                    free = [b for b in self.buffers if b.id not in busy]
+                self.build = _Build(self._grown(nbytes, free), device)
+            return None
+        chosen = min(fits, key=lambda b: b.capacity)
+        if self.cuda and chosen.pinned is None:
+            t0 = time.perf_counter()
+            chosen.pin()
+            self.made_s += time.perf_counter() - t0
+        return self._view(chosen, shape, dtype, nbytes)
 
     def allocate(self, shape: tuple[int, ...], dtype: Any, device: Any = None,
                  busy: Any = ()) -> tuple[dict[str, Any], Any]:
@@ -205,9 +315,16 @@ class Staging:
         self.cuda = getattr(device, "type", device) == "cuda"
         nbytes = math.prod(shape) * dtype.itemsize
         busy = set(busy)
+        if self.build is not None and (self.build.done() or self.build.capacity >= nbytes):
+            t0 = time.perf_counter()
+            self.build.join()  # a file that fits is on its way: wait for it rather than make another
+            self.made_s += time.perf_counter() - t0
+            room = self._install(busy)
+        else:
+            room = True
         free = [b for b in self.buffers if b.id not in busy]
         fits = [b for b in free if b.capacity >= nbytes]
-        if nbytes <= INLINE_LIMIT or (not fits and not _shm_has_room(nbytes)):
+        if nbytes <= INLINE_LIMIT or (not fits and not (room and _shm_has_room(nbytes))):
             buf = torch.empty(shape, dtype=dtype)
             return {"inline": buf}, buf
         t0, made = time.perf_counter(), not fits
@@ -215,13 +332,13 @@ class Staging:
             chosen = min(fits, key=lambda b: b.capacity)
         else:
             # Replace the largest free file that is too small (its pages go back), else add one.
+            grown = self._grown(nbytes, free)
             if free:
                 old = max(free, key=lambda b: b.capacity)
                 self.buffers.remove(old)
                 old.release()
-            grown = max([nbytes] + [b.capacity + b.capacity // 4 for b in free])
             try:
-                chosen = _Buffer(-(-grown // _ROUND) * _ROUND)
+                chosen = _Buffer(grown)
             except OSError as exc:
                 if not _no_room(exc):
                     raise
@@ -234,11 +351,7 @@ class Staging:
             chosen.pin()
         if made:
             self.made_s += time.perf_counter() - t0
-        self.last = chosen
-        buf = chosen.flat[:nbytes].view(dtype).view(shape)
-        desc = {"file": chosen.path, "staging": chosen.id, "owner": os.getpid(), "capacity": chosen.capacity,
-                "pool": [b.id for b in self.buffers], "shape": list(shape), "dtype": _dtype_name(dtype)}
-        return desc, buf
+        return self._view(chosen, shape, dtype, nbytes)
 
     def ready(self) -> None:
         """Wait for the asynchronous device copies into the buffer."""
@@ -248,6 +361,11 @@ class Staging:
             torch.cuda.current_stream().synchronize()
 
     def release(self) -> None:
+        if self.build is not None:
+            self.build.join()
+            if self.build.buffer is not None:
+                self.buffers.append(self.build.buffer)
+            self.build = None
         for b in self.buffers:
             b.release()
         self.buffers, self.last = [], None

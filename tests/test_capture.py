@@ -184,6 +184,76 @@ def test_states_placed_as_steps_end_equal_the_gathered_ones(tp):
             assert torch.equal(g, expected(prompts[rid], layer)) and torch.equal(g, h), (rid, layer)
 
 
+class _GatedBuffer:
+    """A staging file whose making waits for ``gate`` (a file that takes a while to make and pin)."""
+
+    gate = None
+    made = 0
+
+    def __new__(cls, capacity):
+        import speccompat.transport as transport
+
+        assert cls.gate.wait(30), "the test never opened the gate"
+        cls.made += 1
+        return transport._Buffer.__wrapped__(capacity)
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning on the build thread needs a GPU")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+@pytest.mark.parametrize("ready_after", [1, 3])
+def test_a_staging_file_made_during_the_call_takes_the_steps_placed_so_far(tp, monkeypatch, ready_after, device):
+    """A call that outgrows every staging file: the file is made on a thread while the steps run;
+    steps that end before it is there wait on the device and are placed once it is (``ready_after``
+    1: after the first step; 3: only at the end of the call, which then waits for it). The reply
+    equals the gathered one, every step counts as placed, and the call waited for the file only where
+    the steps did not cover it."""
+    import threading
+
+    import speccompat.transport as transport
+
+    monkeypatch.setattr(transport, "INLINE_LIMIT", 0)
+    monkeypatch.setattr(_GatedBuffer, "gate", threading.Event())
+    monkeypatch.setattr(_GatedBuffer, "made", 0)
+    _GatedBuffer.__wrapped__ = transport._Buffer
+    monkeypatch.setattr(transport, "_Buffer", _GatedBuffer)
+    prompts = {"a": [5, 6, 7, 8, 9], "b": [10, 11, 12], "c": [13, 14], "d": [15, 16, 17, 18]}
+    runner, cap = make([0, 3], device=device)
+    runner.prompts = prompts
+    cap.reset(req_ids=list("abcd"), lengths=[5, 3, 2, 4])
+    steps = [(["b", "a"], {"b": (0, 3), "a": (0, 2)}, ["a", "b"]),
+             (["a", "c", "d"], {"a": (2, 3), "c": (0, 2), "d": (0, 1)}, ["c", "d"]),
+             (["d"], {"d": (1, 3)}, [])]
+    for k, (order, chunks, new) in enumerate(steps, 1):
+        step(runner, order, chunks, new=new)
+        assert len(cap.plan.pending) == (k if k <= ready_after else 0)
+        if k == ready_after and k < len(steps):
+            _GatedBuffer.gate.set()
+            cap.staging.build.join()
+    if not _GatedBuffer.gate.is_set():
+        threading.Timer(0.3, _GatedBuffer.gate.set).start()  # the call's end waits for the file
+    out = cap.collect(list("abcd"))
+    assert out["stats"]["placed_steps"] == 3 and "staging" in out["states"]
+    assert out["stats"]["staging_made"] == 1 == _GatedBuffer.made
+    assert cap.staging.pinned is (True if device == "cuda" else None)  # pinned on the build thread
+    if ready_after == 3:  # it waited at the end for the file, which took the gate's 0.3 s on its thread
+        assert out["stats"]["staging_made_s"] >= 0.2 and out["stats"]["staging_built_s"] >= 0.2
+    else:  # made beside the steps: the call did not wait for it
+        assert out["stats"]["staging_made_s"] < 0.1
+    for j, layer in enumerate([0, 3]):
+        for rid, g in zip("abcd", _states_per_request(out)[j], strict=True):
+            assert torch.equal(g, expected(prompts[rid], layer)), (rid, layer)
+    # the next call of the same size reuses the file: nothing made, nothing waited for
+    cap.reset(req_ids=list("abcd"), lengths=[5, 3, 2, 4])
+    for order, chunks, new in steps:
+        step(runner, order, chunks, new=new)
+        assert cap.plan.pending == []
+    again = cap.collect(list("abcd"))
+    assert again["stats"]["staging_made"] == 0 and again["states"]["staging"] == out["states"]["staging"]
+    cap.detach()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="copies on a CUDA side stream need a GPU")
 def test_placement_on_a_gpu_copies_into_the_pinned_staging_file_on_a_side_stream(tp, monkeypatch):
     import speccompat.transport as transport

@@ -90,6 +90,52 @@ def test_staging_counts_the_files_a_reply_had_to_make(monkeypatch):
         staging.release()
 
 
+def test_try_allocate_makes_a_file_on_a_thread_and_allocate_waits_for_it(monkeypatch):
+    """try_allocate never waits: it starts making a file that fits on a thread and answers None
+    until the file is there; allocate waits for a build that fits instead of making a second file."""
+    import threading
+
+    monkeypatch.setattr(transport, "_MAPPED", {})
+    gate, real = threading.Event(), transport._Buffer
+    monkeypatch.setattr(transport, "_Buffer", lambda capacity: (gate.wait(30), real(capacity))[1])
+    staging = transport.Staging()
+    try:
+        shape = (4, 5000, 256)
+        assert staging.try_allocate(shape, torch.bfloat16, "cpu") is None
+        build = staging.build
+        assert build is not None and build.capacity >= 4 * 5000 * 256 * 2
+        assert staging.try_allocate(shape, torch.bfloat16, "cpu") is None and staging.build is build  # one build
+        gate.set()
+        build.join()
+        desc, buf = staging.try_allocate(shape, torch.bfloat16, "cpu")
+        assert desc["capacity"] == build.capacity and staging.build is None
+        assert staging.take_made()[0] == 1
+        # a larger reply: try_allocate starts a build, allocate waits for it rather than make another
+        gate.clear()
+        assert staging.try_allocate((4, 9000, 256), torch.bfloat16, "cpu", busy=[desc["staging"]]) is None
+        threading.Timer(0.2, gate.set).start()
+        desc2, buf2 = staging.allocate((4, 9000, 256), torch.bfloat16, "cpu", busy=[desc["staging"]])
+        made, waited = staging.take_made()
+        assert made == 1 and waited >= 0.15 and desc2["capacity"] >= 4 * 9000 * 256 * 2
+        assert desc2["staging"] != desc["staging"] and len(staging.buffers) == 2  # the busy file stays
+        buf2.fill_(3)
+        assert torch.equal(transport.unpack(desc2), torch.full((4, 9000, 256), 3, dtype=torch.bfloat16))
+    finally:
+        staging.release()
+
+
+def test_a_build_that_finds_no_room_sends_the_reply_inline(monkeypatch):
+    def full(capacity):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transport, "_Buffer", full)
+    staging = transport.Staging()
+    assert staging.try_allocate((4, 5000, 256), torch.bfloat16, "cpu") is None
+    staging.build.join()
+    desc, buf = staging.try_allocate((4, 5000, 256), torch.bfloat16, "cpu")
+    assert "inline" in desc and buf.shape == (4, 5000, 256) and staging.buffers == []
+
+
 def test_staging_view_is_overwritten_by_the_next_reply(monkeypatch):
     """Why the generator copies each sequence out before returning."""
     monkeypatch.setattr(transport, "_MAPPED", {})
