@@ -198,7 +198,7 @@ class _GatedBuffer:
         return transport._Buffer.__wrapped__(capacity)
 
 
-_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning on the build thread needs a GPU")
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning on the build thread needs a GPU")]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
@@ -254,6 +254,7 @@ def test_a_staging_file_made_during_the_call_takes_the_steps_placed_so_far(tp, m
     cap.detach()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="copies on a CUDA side stream need a GPU")
 def test_placement_on_a_gpu_copies_into_the_pinned_staging_file_on_a_side_stream(tp, monkeypatch):
     import speccompat.transport as transport

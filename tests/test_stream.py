@@ -362,8 +362,8 @@ def test_bounds_are_checked(gen, bad):
         generator.stream(gen, "abc")
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="the take's CUDA streams need a GPU"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the take's CUDA streams need a GPU")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)

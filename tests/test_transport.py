@@ -201,6 +201,7 @@ def test_copy_threads_only_where_torch_runs_single_threaded(monkeypatch):
     assert generator.copy_threads(big) == 1  # no cores to spare
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning the staging file needs a CUDA device")
 def test_staging_from_a_gpu_is_pinned_and_exact(monkeypatch):
     monkeypatch.setattr(transport, "_MAPPED", {})

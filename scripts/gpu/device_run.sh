@@ -2,8 +2,11 @@
 # Device side of the GPU evidence run (runs on the GPU machine, from a copy of the repository).
 #   device_run.sh install            install the staged vLLM, speccompat and speculators under /tmp
 #   device_run.sh test RUNNER [TP]   engine parity + silent-bug suites; RUNNER is v2 (default) or v1 (vLLM <= 0.33)
-#   device_run.sh proof              a release's proof at TP=1: parity, silent bugs, INT4, the serving-path and
-#                                    native-extraction oracles, Qwen3 (three pytest processes side by side)
+#   device_run.sh proof              a release's proof at TP=1 in one call (pytest --proof, tests/conftest.py):
+#                                    parity, silent bugs, INT4, the serving-path and native-extraction oracles,
+#                                    Qwen3, in $PROOF_SHARDS pytest processes side by side, each holding whole
+#                                    the groups of tests that share an engine; one evidence file
+#                                    (speccompat.testing.proof merge) with the proof's wall time
 #   device_run.sh kimi RUNNER [TP]   Kimi-K2.5 parity: kimi_k25 (bf16) and kimi_k25 with INT4 experts,
 #                                    the thresholds' planted-bug checks, and vLLM's parse of the INT4 config
 #   device_run.sh reset              forget the staged and installed release, so that another one can be
@@ -64,6 +67,25 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
     cat /tmp/stage/STAGED 2>/dev/null | tee "$OUT/gpu.txt"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/gpu.txt"
     python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" | tee -a "$OUT/gpu.txt"
+    # The packages were installed without byte code (--no-compile): import what an engine start imports
+    # once now, so that the proof's processes, which start side by side, do not each compile it; then
+    # once more, to see what a start's imports cost with the byte code there.
+    for pass in compile warm; do
+      PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 -c "
+import importlib, time
+t = time.monotonic()
+for m in ('torch', 'transformers', 'vllm', 'vllm.v1.executor.multiproc_executor', 'vllm.v1.worker.gpu_worker',
+          'vllm.entrypoints.llm', 'vllm.model_executor.models.llama', 'vllm.model_executor.models.deepseek_v2',
+          'vllm.model_executor.models.kimi_k25', 'vllm.model_executor.models.qwen3', 'speccompat.capture',
+          'speculators.data_generation'):
+    t0 = time.monotonic()
+    try:
+        importlib.import_module(m)
+        print(f'  {m}: {time.monotonic() - t0:.1f} s')
+    except Exception as exc:  # noqa: BLE001 - a measurement, not a check
+        print(f'  {m}: {type(exc).__name__}: {exc}'[:200])
+print('imports ($pass):', round(time.monotonic() - t, 1), 's')" 2>&1 | grep -v Warning | tee -a "$OUT/imports.txt"
+    done
     ;;
   test)
     RUNNER="${2:-v2}"; TP="${3:-1}"
@@ -79,14 +101,14 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
       unset VLLM_USE_V2_MODEL_RUNNER
     fi
     N="$RUNNER-tp$TP${OUT_NAME:+-$OUT_NAME}"
-    export SPECCOMPAT_EVIDENCE_OUT="$OUT/vllm-$V-tp$TP-$RUNNER${OUT_NAME:+-$OUT_NAME}.json" SPECCOMPAT_TEST_TP="$TP" SPECCOMPAT_TEST_RUNNER="$RUNNER"
+    export SPECCOMPAT_EVIDENCE_OUT="${EVIDENCE_OUT:-$OUT/vllm-$V-tp$TP-$RUNNER${OUT_NAME:+-$OUT_NAME}.json}" SPECCOMPAT_TEST_TP="$TP" SPECCOMPAT_TEST_RUNNER="$RUNNER"
     BT="/tmp/pytest-$N"
     set +e
     # At the limit pytest gets SIGINT, not SIGTERM, so that it still reports what ran, how long each
     # test took and where the one it was in stood; a test past FAULT_TIMEOUT s dumps every thread's stack.
     timeout -s INT -k 30 "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --basetemp="$BT" --durations=0 \
       -o faulthandler_timeout="${FAULT_TIMEOUT:-240}" ${PYTEST_ARGS:-} ${TEST_FILES:-tests/engine/test_parity.py \
-      tests/engine/test_silent_bugs.py} -k "${TEST_SELECT:-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -400 | tee "$OUT/pytest-$N.txt"
+      tests/engine/test_silent_bugs.py} -k "${TEST_SELECT-not control and not non_finite and not bad_ and not repeated and not overlong}" 2>&1 | tail -400 | tee "$OUT/pytest-$N.txt"
     rc=${PIPESTATUS[0]}
     for f in "$BT"/engines0/logs/*.log; do
       [ -f "$f" ] && { echo "=== $f"; tail -c 20000 "$f"; }
@@ -100,28 +122,33 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
     echo "reset: no release staged or installed"
     ;;
   proof)
-    # A release's proof at TP=1 on the default runner, three pytest processes side by side (tiny models;
-    # each engine takes 0.1 of the GPU): (1) parity with transformers for Llama and DeepseekV3, the
-    # silent-bug checks and the thresholds' checks; (2) Kimi-K2.5, bf16 and INT4 experts, and its
-    # planted bugs; (3) the serving-path and native-extraction oracles for Llama, Qwen3, DeepseekV3 and
-    # Kimi-K2.5 and the Qwen3 architecture's parity.
-    # Evidence: $OUT/vllm-V-tp1-v2-{parity,kimi,oracles}.json and architectures-vllm-V.json.
+    # A release's proof at TP=1 on the default runner in one call: the tests `pytest --proof` selects
+    # (PROOF in tests/conftest.py), split into $PROOF_SHARDS shards that run side by side; each shard
+    # holds whole every group of tests that share an engine, so no engine starts twice
+    # (speccompat.testing.proof). An engine start is most of a test's time (60-117 s on vLLM 0.34.0; an
+    # extraction under a second), so the shards' engines start in parallel; the tests' transformers
+    # references run on the GPU and each test process keeps two torch threads (SPECCOMPAT_TEST_TORCH_THREADS),
+    # leaving the cores to the engines' start-up. Evidence: $OUT/vllm-V-tp1-v2-proof.json and
+    # architectures-vllm-V.json, with the proof's wall time, every test's seconds and every engine start.
     V=$(python3 -c "import json; print(json.load(open('/tmp/speccompat-env.json'))['vllm'])")
-    T="${TEST_TIMEOUT:-540}"
-    TEST_TIMEOUT=$T TEST_FILES="tests/engine/test_parity.py tests/engine/test_silent_bugs.py" OUT_NAME=parity \
-      TEST_SELECT="not kimi_k25 and not control and not non_finite and not bad_ and not repeated and not overlong" \
-      bash "$0" test v2 1 > /dev/null 2>&1 &
-    p1=$!
-    TEST_TIMEOUT=$T TEST_FILES="tests/engine/test_parity.py tests/engine/test_int4.py" OUT_NAME=kimi \
-      TEST_SELECT="kimi_k25 or int4" bash "$0" test v2 1 > /dev/null 2>&1 &
-    p2=$!
-    TEST_TIMEOUT=$T SPECCOMPAT_ARCH_EVIDENCE_OUT="$OUT/architectures-vllm-$V.json" PYTEST_ARGS=--engine-full OUT_NAME=oracles \
-      TEST_FILES="tests/engine/test_serving_path.py tests/engine/test_native_extract.py tests/engine/test_architectures.py" \
-      TEST_SELECT="not llama4 and not qwen3_moe and not gpt_oss and not mistral and not gemma3 and not glm4_moe" \
-      bash "$0" test v2 1 > /dev/null 2>&1 &
-    p3=$!
-    rc=0; wait $p1 || rc=$?; wait $p2 || rc=$?; wait $p3 || rc=$?
-    tail -n 12 "$OUT"/pytest-v2-tp1-parity.txt "$OUT"/pytest-v2-tp1-kimi.txt "$OUT"/pytest-v2-tp1-oracles.txt
+    N="${PROOF_SHARDS:-8}"; T="${TEST_TIMEOUT:-520}"; S="$OUT/proof-shards"; mkdir -p "$S"
+    # the files of PROOF (tests/conftest.py) and those holding the capture's CUDA paths (marker gpu)
+    PROOF_FILES="tests/engine/test_parity.py tests/engine/test_silent_bugs.py tests/engine/test_int4.py
+      tests/engine/test_serving_path.py tests/engine/test_native_extract.py tests/engine/test_architectures.py
+      tests/test_capture.py tests/test_transport.py tests/test_stream.py"
+    t0=$(date +%s.%N); pids=()
+    for k in $(seq 1 "$N"); do
+      TEST_TIMEOUT=$T OUT_NAME="proof-$k" TEST_FILES="$PROOF_FILES" TEST_SELECT="" PYTEST_ARGS="--proof --shard $k/$N" \
+        EVIDENCE_OUT="$S/evidence-$k.json" SPECCOMPAT_ARCH_EVIDENCE_OUT="$S/architectures-$k.json" \
+        SPECCOMPAT_TEST_TIMES_OUT="$S/times-$k.json" SPECCOMPAT_ENGINE_STARTS_OUT="$S/starts-$k.json" \
+        SPECCOMPAT_POOL_MAX_ALIVE=1 SPECCOMPAT_TEST_TORCH_THREADS=2 bash "$0" test v2 1 > /dev/null 2>&1 &
+      pids+=($!)
+    done
+    rc=0; for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
+    python3 -m speccompat.testing.proof merge "$S" --out "$OUT" --wall "$wall" || rc=$?
+    for k in $(seq 1 "$N"); do tail -n 3 "$OUT/pytest-v2-tp1-proof-$k.txt"; done
+    echo "proof: $N shards, ${wall} s"
     exit $rc
     ;;
   smoke)

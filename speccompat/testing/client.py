@@ -62,6 +62,7 @@ class EngineHost:
         self.proc: subprocess.Popen | None = None
         self.conn: Any = None
         self.startup: dict[str, Any] | None = None
+        self.record: dict[str, Any] | None = None  # what a test pool notes of this engine (its start, its tests)
 
     def start(self) -> EngineHost:
         from multiprocessing.connection import Listener

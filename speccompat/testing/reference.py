@@ -23,12 +23,18 @@ __all__ = ["ReferenceModel"]
 class ReferenceModel:
     """A transformers model that returns per-layer residual streams for token sequences."""
 
-    def __init__(self, path: str, dtype: str = "float32") -> None:
+    def __init__(self, path: str, dtype: str = "float32", device: str = "cpu") -> None:
+        """``device``: where the forward runs (``cuda``: float32 matmuls in full float32, TF32 off; the
+        states come back on the CPU either way)."""
         import torch
         import transformers
 
         self.torch = torch
         self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False  # a float32 reference is float32, not TF32
+            torch.backends.cudnn.allow_tf32 = False
         from .models import decompress_checkpoint, language_model
 
         with open(f"{path}/config.json", encoding="utf-8") as f:
@@ -48,6 +54,7 @@ class ReferenceModel:
         else:
             self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).eval()
             text = raw
+        self.model = self.model.to(self.device)
         self.num_layers = cfg.get_text_config().num_hidden_layers
         self.layers = language_model(self.model).layers
         self.llama_4_scaling = text.get("llama_4_scaling")
@@ -62,12 +69,12 @@ class ReferenceModel:
         for i in layer_ids:
             def hook(_m: Any, _inp: Any, output: Any, i: int = i) -> None:
                 h = output[0] if isinstance(output, tuple) else output
-                out[i] = h[0].detach().float().clone()
+                out[i] = h[0].detach().to("cpu", torch.float32, copy=True)
 
             handles.append(self.layers[i].register_forward_hook(hook))
         try:
             with torch.no_grad():
-                self.model(input_ids=torch.tensor([list(token_ids)]), use_cache=False)
+                self.model(input_ids=torch.tensor([list(token_ids)], device=self.device), use_cache=False)
         finally:
             for h in handles:
                 h.remove()
@@ -82,7 +89,7 @@ class ReferenceModel:
         """
         torch = self.torch
         cfg = self.llama_4_scaling
-        pos = torch.arange(n, dtype=torch.float32)
+        pos = torch.arange(n, dtype=torch.float32, device=self.device)
         scale = 1 + cfg["beta"] * torch.log(1 + torch.floor(pos / cfg["original_max_position_embeddings"]))
 
         def hook(_m: Any, _inp: Any, output: Any) -> Any:

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-from conftest import ENGINE_ENV, NO_APPLY
+from conftest import ENGINE_ENV, NO_APPLY, pool_key
 
 from speccompat.matrix import code_record, known_speculators
 
@@ -30,9 +30,22 @@ SPECULATORS = tuple(known_speculators())
 KINDS = ("llama", "deepseek_v3", "kimi_k25")
 #: EAGLE-3 style: an early, two middle and the last decoder layer (6-layer tiny models).
 LAYER_IDS = [0, 2, 4, 5]
-MAX_ALIVE = 2
+#: Engines alive at once per test process (CPU memory); SPECCOMPAT_POOL_MAX_ALIVE (a proof's shards: 1).
+MAX_ALIVE = int(os.environ.get("SPECCOMPAT_POOL_MAX_ALIVE", "2"))
 #: (speculators, kind, variant) of every engine the pool started this session, in order.
 STARTS: list[tuple] = []
+#: Every engine the pool started: its configuration, the seconds its start took (as the test waited for
+#: it, and inside the host from its first line to the generator built) and the tests that used it;
+#: written to SPECCOMPAT_ENGINE_STARTS_OUT (a proof's record of why each start was needed).
+START_LOG: list[dict] = []
+#: The plain engine of vLLM's serving-path oracle keeps its engine core in the oracle's process (vLLM's
+#: in-process client): one process starts instead of two, the forward is the same. Not for
+#: speculators' engines, which build their own executor as users run them, nor for the native
+#: extraction's, whose KV connector runs as vLLM's engine core process runs it.
+ORACLE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: Where the transformers references run: the GPU when there is one (SPECCOMPAT_REFERENCE_DEVICE):
+#: on a GPU machine the test processes then leave the CPU cores to the engines starting beside them.
+REFERENCE_DEVICE = os.environ.get("SPECCOMPAT_REFERENCE_DEVICE") or None
 #: Tensor-parallel size and model runner of the engines (set by scripts/gpu/device_run.sh).
 TEST_TP = int(os.environ.get("SPECCOMPAT_TEST_TP", "1"))
 TEST_RUNNER = os.environ.get("SPECCOMPAT_TEST_RUNNER", "default")
@@ -119,6 +132,7 @@ class EnginePool:
                json.dumps(config, sort_keys=True), json.dumps(env or {}, sort_keys=True))
         if key in self.alive:
             self.alive.move_to_end(key)
+            _used_by(self.alive[key])
             return self.alive[key]
         while len(self.alive) >= MAX_ALIVE:
             _, old = self.alive.popitem(last=False)
@@ -140,7 +154,16 @@ class EnginePool:
         )
         if not start:
             return host
+        import time
+
+        t0 = time.monotonic()
         host.start()
+        host.record = {"speculators": speculators, "kind": kind, "layer_ids": list(layer_ids), "apply": apply,
+                       **({"overrides": overrides} if overrides else {}), **({"env": env} if env else {}),
+                       "config": config, "start_s": round(time.monotonic() - t0, 1),
+                       "startup_s": round(host.startup["startup_s"], 1), "tests": []}
+        START_LOG.append(host.record)
+        _used_by(host)
         self.alive[key] = host
         return host
 
@@ -148,6 +171,19 @@ class EnginePool:
         while self.alive:
             _, host = self.alive.popitem()
             host.stop()
+
+
+def _used_by(host) -> None:
+    """Note the running test on the engine's start record (and write the record out)."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    if test and test not in host.record["tests"]:
+        host.record["tests"].append(test)
+    out = os.environ.get("SPECCOMPAT_ENGINE_STARTS_OUT")
+    if out:
+        tmp = Path(f"{out}.partial")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(START_LOG, indent=1) + "\n")
+        tmp.replace(out)
 
 
 @pytest.fixture(scope="session")
@@ -186,21 +222,20 @@ def references(engines):
         key = kind + json.dumps(overrides, sort_keys=True)
         if key not in cache:
             path = str(engines.checkpoint(kind, **overrides))
-            cache[key] = (CachedReference(ReferenceModel(path, "float32")),
-                          CachedReference(ReferenceModel(path, "bfloat16")))
+            cache[key] = (CachedReference(ReferenceModel(path, "float32", device=reference_device())),
+                          CachedReference(ReferenceModel(path, "bfloat16", device=reference_device())))
         return cache[key]
 
     return get
 
 
-def pool_key(item) -> tuple | None:
-    """(speculators, kind, variant) of the pool engine a test declares with ``pool``, else None."""
-    mark = item.get_closest_marker("pool")
-    if mark is None:
-        return None
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    return (mark.kwargs.get("speculators", params.get("speculators", "0.4.0.1")),
-            mark.kwargs.get("kind", params.get("kind", "llama")), mark.kwargs.get("variant", ""))
+def reference_device() -> str:
+    """SPECCOMPAT_REFERENCE_DEVICE, else ``cuda`` where torch sees a GPU, else ``cpu``."""
+    if REFERENCE_DEVICE:
+        return REFERENCE_DEVICE
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def pytest_configure(config):
@@ -274,6 +309,7 @@ def write_evidence() -> None:
         "runner": TEST_RUNNER,
         "date": datetime.date.today().isoformat(),
         "applied": not NO_APPLY,
+        "reference_device": reference_device(),  # where transformers computed the references
         "code": CODE,  # the capture path it ran (speccompat.matrix: a later change makes its cells stale)
         **({"engine_env": ENGINE_ENV["engine_env"]} if ENGINE_ENV.get("engine_env") else {}),
         "cells": EVIDENCE,

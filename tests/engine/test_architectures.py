@@ -18,7 +18,7 @@ from conftest import ENGINE_ENV
 
 from speccompat.testing.parity import measure, violations
 
-from .conftest import CODE, LAYER_IDS, mixed_sequences
+from .conftest import CODE, LAYER_IDS, mixed_sequences, reference_device
 
 pytestmark = [pytest.mark.engine, pytest.mark.engine_full]
 
@@ -46,6 +46,7 @@ def write_arch_evidence() -> None:
            "torch": torch.__version__, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
            "date": datetime.date.today().isoformat(), "applied": True,
+           "reference_device": reference_device(),
            "code": CODE,  # the capture path it ran (speccompat.matrix: a later change makes its cells stale)
            "cells": CELLS}
     # A run of some architectures keeps the other cells of an existing file for the same release.
@@ -63,9 +64,10 @@ def write_arch_evidence() -> None:
     tmp.replace(out)
 
 
+@pytest.mark.pool
 @pytest.mark.parametrize("speculators", ARCH_SPECULATORS)
 @pytest.mark.parametrize("kind", ARCH_KINDS)  # by architecture: one architecture's engines in turn
-def test_architecture_parity_with_transformers(engines, references, speculators, kind):
+def test_architecture_parity_with_transformers(engines, references, record_cell, speculators, kind):
     from speccompat.testing.client import EngineError
     from speccompat.testing.models import RECIPES
 
@@ -78,6 +80,8 @@ def test_architecture_parity_with_transformers(engines, references, speculators,
     except EngineError as exc:
         CELLS.append({**cell, "outcome": "refused", "reason": f"{exc.type}: {exc.error}"[:400]})
         write_arch_evidence()
+        record_cell(speculators=speculators, model=kind, test="parity", outcome="refused",
+                    reason=CELLS[-1]["reason"])
         raise
     results = out["results"]
     assert len(results) == len(seqs)
@@ -94,5 +98,8 @@ def test_architecture_parity_with_transformers(engines, references, speculators,
                   "worst_rel_layer": LAYER_IDS[worst.layer], "worst_noise_rel": round(worst.noise.rel, 5),
                   "worst_min_cos": round(min(c.got.min_cos for c in cases), 5)})
     write_arch_evidence()
+    # the same parity run is a cell of the release's end-to-end evidence (speculators x this model)
+    record_cell(**{k: v for k, v in CELLS[-1].items() if k not in ("architecture", "oracle")},
+                seconds=round(out["seconds"], 3), stats=out["stats"])
     assert not bad, f"{len(bad)} of {len(cases)} cases off:\n" + "\n".join(bad[:15])
     assert out["stats"]["unverified_steps"] == 0, out["stats"]

@@ -43,6 +43,8 @@ def native_states(model, aux_ids: list[int], seqs: list[list[int]], tmp_path) ->
     return torch.load(out)
 
 
+@pytest.mark.pool
+@pytest.mark.own_engines(1)  # the plain engine of vLLM's extract_hidden_states
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gpt_oss", "deepseek_v3", "kimi_k25"])
 def test_capture_equals_vllms_extract_hidden_states(engines, tmp_path, record_cell, kind):
     import torch

@@ -91,7 +91,11 @@ def extraction_sources():
     def get(version: str, files: list[str] | None = None) -> dict[str, str]:
         root = Path(ENGINE_ENV["speculators"][version]) / "speculators"
         if files is None:
-            env = {**os.environ, **ENGINE_ENV.get("engine_env", {}), "PYTHONPATH": ENGINE_ENV["speculators"][version]}
+            # the release first, then whatever the engine environment has on the path (on the GPU
+            # machine vLLM and its requirements live in a folder on PYTHONPATH)
+            env = {**os.environ, **ENGINE_ENV.get("engine_env", {})}
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (ENGINE_ENV["speculators"][version],
+                                                            env.get("PYTHONPATH", "")) if p)
             proc = subprocess.run([sys.executable, "-c", EXTRACTION_MODULES], capture_output=True, text=True,
                                   env=env, timeout=300)
             assert proc.returncode == 0, proc.stderr[-3000:]

@@ -33,7 +33,7 @@ from conftest import ENGINE_ENV
 from speccompat.testing.parity import compare
 from speccompat.testing.serving import agreement
 
-from .conftest import LAYER_IDS, mixed_sequences, skip_unless_model_runs
+from .conftest import LAYER_IDS, ORACLE_ENV, mixed_sequences, skip_unless_model_runs
 from .test_architectures import CELLS, write_arch_evidence
 
 pytestmark = pytest.mark.engine
@@ -54,7 +54,7 @@ def serving_states(model, aux_ids: list[int], seqs: list[list[int]], tmp_path, l
 
     seq_file, out = tmp_path / "sequences.json", tmp_path / "serving.pt"
     seq_file.write_text(json.dumps(seqs))
-    env = {**os.environ, **ENGINE_ENV.get("engine_env", {})}
+    env = {**os.environ, **ENGINE_ENV.get("engine_env", {}), **ORACLE_ENV}
     with open(log, "wb") as f:
         proc = subprocess.run([sys.executable, "-m", "speccompat.testing.serving", "--model", str(model),
                                "--aux-ids", *map(str, aux_ids), "--sequences", str(seq_file), "--out", str(out),
@@ -66,6 +66,8 @@ def serving_states(model, aux_ids: list[int], seqs: list[list[int]], tmp_path, l
     return torch.load(out)
 
 
+@pytest.mark.pool
+@pytest.mark.own_engines(1)  # the plain engine of vLLM's own aux path
 @pytest.mark.parametrize("kind", ["llama", *(pytest.param(k, marks=_FULL) for k in FULL_KINDS)])
 def test_capture_equals_vllms_aux_hidden_states(engines, tmp_path, kind):
 

@@ -140,6 +140,7 @@ def test_last_layer_is_the_pre_norm_residual_stream(engines, references):
     ("layer_ids", "match"),
     [([0, 6], "Layer index 6 out of bounds"), ([2, 2, 5], r"duplicate layer ids \[2\]")],
 )
+@pytest.mark.own_engines(0.2)  # a host that imports vLLM and speculators, and no engine
 def test_bad_layer_ids_are_rejected_before_the_engine_starts(engines, layer_ids, match):
     host = engines.get("0.4.0.1", "llama", layer_ids=layer_ids, start=False)
     with pytest.raises(EngineError, match=match):
@@ -168,6 +169,7 @@ def test_overlong_sequences_are_truncated_and_logged(engines):
     assert "longer than max_model_len - 1 = 1023 truncated (indices [0])" in host.log()
 
 
+@pytest.mark.own_engines(1)
 def test_non_finite_states_raise_naming_sequence_and_layer(engines, tmp_path):
     """A checkpoint whose layer 2 yields NaN: generate() must raise, not return the NaNs."""
     from safetensors.torch import load_file, save_file
