@@ -126,9 +126,9 @@ print('imports ($pass):', round(time.monotonic() - t, 1), 's')" 2>&1 | grep -v W
     # (PROOF in tests/conftest.py), split into $PROOF_SHARDS shards that run side by side; each shard
     # holds whole every group of tests that share an engine, so no engine starts twice
     # (speccompat.testing.proof). An engine start is most of a test's time (60-117 s on vLLM 0.34.0; an
-    # extraction under a second), so the shards' engines start in parallel; the tests' transformers
-    # references run on the GPU and each test process keeps two torch threads (SPECCOMPAT_TEST_TORCH_THREADS),
-    # leaving the cores to the engines' start-up. Evidence: $OUT/vllm-V-tp1-v2-proof.json and
+    # extraction under a second), so the shards' engines start in parallel; each test process keeps two
+    # torch threads for its transformers references (SPECCOMPAT_TEST_TORCH_THREADS): three processes of
+    # 16 threads each beside the engines' start-up oversubscribed the cores. Evidence: $OUT/vllm-V-tp1-v2-proof.json and
     # architectures-vllm-V.json, with the proof's wall time, every test's seconds and every engine start.
     V=$(python3 -c "import json; print(json.load(open('/tmp/speccompat-env.json'))['vllm'])")
     N="${PROOF_SHARDS:-8}"; T="${TEST_TIMEOUT:-520}"; S="$OUT/proof-shards"; mkdir -p "$S"
