@@ -249,9 +249,15 @@ def command_line(name: str) -> str:
 METHOD = """\
 ## Method
 
-`benchmarks/throughput.py` runs each mode in a fresh process on the same inputs and the same engine
-configuration (enforce_eager, prefix caching off, the generator's scheduler limits), excludes engine
-start-up, warms up each workload first, and keeps the best of `--repeat` runs:
+`benchmarks/throughput.py` runs every mode on the same inputs and the same engine configuration
+(enforce_eager, prefix caching off, the generator's scheduler limits) and excludes engine start-up and
+an untimed warm-up pass. The modes on speculators' generator share one engine in one process; plain
+prefill and the modes that build the generator or the engine differently have an engine each. Each mode
+and workload is timed `--repeat` times, the passes interleaved round-robin (every mode's first pass, then
+every mode's second, ...) so that a drift over the run hits every mode alike; the results file records
+every pass, the median (the figure the ratios are taken from) and the spread (the slowest and the
+fastest pass). Results files without a `passes` field were made the way `--process-per-mode` still
+runs: each mode in a fresh process, the best of `--repeat` such runs kept:
 
 - **plain**: vLLM's own prefill, `LLM.generate(max_tokens=1)`: nothing leaves the engine, the bound
   every other mode is measured against, in the same run (every GPU run starts on a freshly lent
@@ -261,6 +267,13 @@ start-up, warms up each workload first, and keeps the best of `--repeat` runs:
 - **driver-stream** / **driver-stream-disk**: the extraction job end to end, `speccompat extract`'s own
   loop: the generator's stream feeding the data-set writer (a safetensors file per sample, checksums,
   manifest, fsync), into `/dev/shm` or onto the disk; a pass ends when its last file is durable;
+  `-fp8`: the same writing fp8 data sets;
+- **driver** / **driver-disk**: the example drivers' loop, `generate(copy=False)` calls of a fixed
+  batch size feeding the same writer;
+- **grow** (`--grow`): `generate(copy=False)` calls and driver streams, each larger in tokens than every
+  call of its kind before it: each call's rate against the median call's, and the staging files the
+  workers made for it (on a thread beside the engine's steps: the seconds they took there, and the
+  seconds the call waited for them);
 - **original**: speculators' own `generate()` and capture with only speccompat's name adapters;
 - **native**: vLLM's own `extract_hidden_states` speculative method (CUDA only).
 

@@ -1,8 +1,18 @@
 #!/usr/bin/env python3
 """Extraction throughput, side by side on the same engine configuration and the same inputs.
 
-Modes (each runs in its own fresh process, one after the other; engine start-up and an untimed
-warm-up pass of each workload, --warm-up, excluded):
+How the modes run: the modes that use speculators' generator as it is built by default (generator,
+generator-views, generator-stream and the driver modes) share one engine in one child process; every
+other mode (plain, native, the variants that build the generator or engine differently) has an engine
+of its own in a child of its own; the children run one after the other. Engine start-up and an
+untimed warm-up pass (--warm-up, --warm-up-sequences) are excluded; then, where asked (--grow), a
+growing workload; then --repeat timed passes of every mode and workload, interleaved round-robin
+(every run's first pass, then every run's second, ...), so that a drift over the run's minutes hits
+every mode alike. The results file has every pass, the median, which the ratios are taken from, and
+the spread (slowest and fastest pass). --process-per-mode runs as results files made before this
+did: each mode in a fresh process of its own, --repeat processes a mode, the best kept.
+
+Modes:
   generator  speculators' VllmHiddenStatesGenerator under speccompat (this project), generate() as
              it runs by default (on GPUs on top of speccompat.generator.stream, on CPUs one call)
   generator-views  the same with generate(copy=False): views of the worker's shared-memory
@@ -31,9 +41,10 @@ warm-up pass of each workload, --warm-up, excluded):
   native     vLLM's own `extract_hidden_states` speculative method + ExampleHiddenStatesConnector
              (the speculators 0.5+ path; vLLM >= 0.17, CUDA only): safetensors files in /dev/shm,
              each loaded back into a tensor like the generator returns
-  driver     the job users run, end to end: the generator feeding speccompat.dataset's writer
+  driver     the example drivers' job, end to end: the generator feeding speccompat.dataset's writer
              (one safetensors file per sample, checksums, manifest, fsync) in --driver-dir,
-             --driver-batch sequences per call; the timed part starts with reading and checking the
+             --driver-batch sequences per generate() call (and --driver-batches), each workload one
+             job (one data set); the timed part starts with reading and checking the
              prepared input (a JSONL file written before the clock starts, as `speccompat prepare`
              leaves it) and ends when the last file is durable.
              driver-disk: the same into --disk-dir, next to that disk's own fsync'd sequential
@@ -45,8 +56,9 @@ warm-up pass of each workload, --warm-up, excluded):
              pass twice, back to back, the writer dropping its pages and keeping them (as before)
   driver-stream, driver-stream-disk  the driver's own loop (speccompat.dataset.extract
              stream_results: stream() with views, samples admitted up to the token budget that
-             --max-in-flight-gb gives, each written as soon as its last step ran); --driver-batch,
-             which the driver no longer uses, only names the repeat
+             --max-in-flight-gb gives, each written as soon as its last step ran): `speccompat
+             extract`'s loop, which has no batch size (with --process-per-mode, --driver-batches
+             still repeats it under each batch size's name, as results files made before did)
   driver-stream-fp8, driver-stream-fp8-disk  the same writing --dtype fp8 (float8_e4m3fn and a
              float32 scale per token, --fp8-scale; quantized on the writer's threads)
   driver-dp  --dp-size engines side by side (one GPU each share: --gpu-memory-utilization is
@@ -55,14 +67,27 @@ warm-up pass of each workload, --warm-up, excluded):
 
     python benchmarks/throughput.py --out results.json [--model llama] [--sequences 128] ...
 
-Prints one JSON document: per mode tokens/s, samples/s, seconds, peak RSS of the mode's process
-tree (sum of each process's peak, engine workers included), plus ratios between the modes. Used for docs/benchmarks.md (CPU) and on the H200.
+Prints one JSON document: per mode and workload tokens/s, samples/s, seconds (of the median pass),
+the spread and every pass, peak RSS of the mode's process tree (sum of each process's peak, engine
+workers included; shared by the modes of one engine), plus ratios between the modes, taken from the
+medians. Used for docs/benchmarks.md (CPU) and on the GPU machines.
+
+The run for one results file on a GPU (vLLM's plain prefill and every mode users run, the 8B shape,
+three passes each, the growing workload):
+
+    python benchmarks/throughput.py --config 8b --model-path /dev/shm/ckpt-8b --sequences 1024 \
+        --sequences-per-call 256 --modes plain generator generator-views driver-stream driver-stream-disk \
+        driver driver-disk driver-stream-fp8 driver-stream-fp8-disk --driver-dir /dev/shm/sc-bench \
+        --disk-dir /tmp/sc-bench-disk --driver-batch 2 --driver-batches 128 --repeat 3 --warm-up first \
+        --warm-up-sequences 256 --probe-after first --grow 4 --out results.json
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
+import itertools
 import json
 import os
 import platform
@@ -72,14 +97,33 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from _passes import (  # benchmarks/_passes.py
+    STAGING_FIELDS,
+    engine_groups,
+    grow_calls,
+    interleave,
+    mode_results,
+    repeated,
+    staging_sum,
+)
 from _results import write  # benchmarks/_results.py
 
 LAYER_IDS = [0, 2, 4, 5]
 #: the modes that run the driver (the data set's writer behind the engine)
 DRIVER_MODES = ("driver", "driver-disk", "driver-stream", "driver-stream-disk", "driver-stream-fp8",
                 "driver-stream-fp8-disk")
+#: the driver modes whose loop makes generate() calls of --driver-batch sequences (the example drivers')
+BATCHED_DRIVER_MODES = ("driver", "driver-disk")
+#: the modes whose extract(batch) is one stream (speccompat.generator.stream), not generate() calls
+STREAM_MODES = ("generator-stream", *(m for m in DRIVER_MODES if m not in BATCHED_DRIVER_MODES))
+#: the modes that run on one speculators generator as it is built by default: one engine in one child
+#: process serves them all (the others change how the generator or engine is built, or are vLLM's own)
+SHARED_MODES = ("generator", "generator-views", "generator-stream", *DRIVER_MODES)
+#: the modes a growing workload (--grow) can run: one generate() call or one stream per extract(batch)
+GROW_MODES = ("generator", "generator-views", *(m for m in STREAM_MODES if m.startswith("driver")))
 
 #: Named configurations: a checkpoint shape and workload measured on the H200 (docs/benchmarks.md).
 #: ``8b``: a Llama-3-8B-shaped random checkpoint (bf16, 13 GiB), 256 sequences of 256-768 tokens.
@@ -92,156 +136,333 @@ CONFIGS = {
 }
 
 
-def sequences(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+def endless(lo: int, hi: int, seed: int = 0, vocab: int = 512) -> Iterator[list[int]]:
+    """Random token sequences of lengths ``lo`` to ``hi``, without end (seeded)."""
     rng = random.Random(seed)
-    return [[rng.randrange(4, vocab) for _ in range(rng.randrange(lo, hi + 1))] for _ in range(n)]
+    while True:
+        yield [rng.randrange(4, vocab) for _ in range(rng.randrange(lo, hi + 1))]
+
+
+def sequences(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    return list(itertools.islice(endless(lo, hi, seed, vocab), n))
 
 
 def batches(workload: dict, mode: str = "") -> list[list[list[int]]]:
     """The workload's sequences, ``per_call`` per ``generate()`` call (0: all in one call); one stream
-    (bounded by ``per_call`` in flight) in the stream modes."""
+    (bounded by ``per_call`` in flight) in the stream modes; one job in the driver modes, which make
+    their own calls (--driver-batch)."""
     seqs = workload["seqs"]
-    if mode == "generator-stream":
+    if mode == "generator-stream" or mode in DRIVER_MODES:
         return [seqs]
     per_call = workload["per_call"] or len(seqs)
     return [seqs[i : i + per_call] for i in range(0, len(seqs), per_call)]
 
 
-def run_mode(args: argparse.Namespace) -> dict:
-    """Child: build one engine, time each workload (all its sequences), report."""
-    workloads = json.loads(Path(args.inputs).read_text())
-    t0 = time.perf_counter()
-    if args.mode in ("plain", "plain-sync"):
-        from vllm import LLM, SamplingParams
+def open_modes(args: argparse.Namespace, modes: list[str]) -> dict:
+    """Child: one engine and each mode's extractor on it (``extract(batch)``: one call, or one job of
+    a driver mode): vLLM's own LLM for plain, plain-sync and native (one mode a child), else one
+    speculators generator that every mode of the child uses."""
+    mode = modes[0]
+    if len(modes) > 1 and not set(modes) <= set(SHARED_MODES):
+        raise ValueError(f"modes {modes} cannot share one engine (those that can: {', '.join(SHARED_MODES)})")
+    if mode in ("plain", "plain-sync"):
+        return {mode: plain_extractor(args, mode)}
+    if mode == "native":
+        return {mode: native_extractor(args)}
+    gen = open_generator(args, mode)
+    return {m: driver_extractor(args, m, gen) if m in DRIVER_MODES else generator_extractor(args, m, gen)
+            for m in modes}
 
-        sync = {"async_scheduling": False} if args.mode == "plain-sync" else {}
-        llm = LLM(args.model_path, enforce_eager=True, enable_prefix_caching=False, max_model_len=args.max_model_len,
-                  gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=32,
-                  max_num_batched_tokens=max(8192, args.max_model_len), tensor_parallel_size=args.tp, **sync)
-        params = SamplingParams(max_tokens=1, temperature=0.0)
 
-        def extract(batch):
-            out = llm.generate([{"prompt_token_ids": s} for s in batch], params, use_tqdm=False)
-            assert len(out) == len(batch)
-    elif args.mode == "native":
-        extract = native_extractor(args)
-    elif args.mode in DRIVER_MODES:
-        if args.driver_torch_threads:
-            import torch
+def plain_extractor(args: argparse.Namespace, mode: str):
+    from vllm import LLM, SamplingParams
 
-            torch.set_num_threads(args.driver_torch_threads)
-        extract = driver_extractor(args)
-    else:
-        if args.mode == "original":
-            os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
-        if args.mode == "generator-views-sync":
-            os.environ["SPECCOMPAT_IN_FLIGHT"] = "1"
-        if args.mode == "generator-on-stream":
-            os.environ["SPECCOMPAT_GENERATE"] = "stream"
-        if args.mode == "generator-on-call":
-            os.environ["SPECCOMPAT_GENERATE"] = "call"
-        import speccompat
+    sync = {"async_scheduling": False} if mode == "plain-sync" else {}
+    llm = LLM(args.model_path, enforce_eager=True, enable_prefix_caching=False, max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=32,
+              max_num_batched_tokens=max(8192, args.max_model_len), tensor_parallel_size=args.tp, **sync)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
 
-        speccompat.apply()
-        from speculators.data_generation import VllmHiddenStatesGenerator
+    def extract(batch):
+        out = llm.generate([{"prompt_token_ids": s} for s in batch], params, use_tqdm=False)
+        assert len(out) == len(batch)
 
-        if args.mode == "generator-views-async":
-            force_async_scheduling()
+    return extract
 
-        gen = VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
-                                        gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
 
-        views = {"copy": False} if args.mode.startswith("generator-views") else {}
+def open_generator(args: argparse.Namespace, mode: str):
+    """speculators' generator under speccompat, set up as ``mode`` asks (the environment and patches
+    of the modes that change how it runs; none for the modes that share it)."""
+    if mode == "original":
+        os.environ["SPECCOMPAT_DISABLE"] = "generator.generate,worker."
+    if mode == "generator-views-sync":
+        os.environ["SPECCOMPAT_IN_FLIGHT"] = "1"
+    if mode == "generator-on-stream":
+        os.environ["SPECCOMPAT_GENERATE"] = "stream"
+    if mode == "generator-on-call":
+        os.environ["SPECCOMPAT_GENERATE"] = "call"
+    import speccompat
 
-        def extract(batch):
-            t0 = time.perf_counter()
-            res = gen.generate(batch, **views)
-            t1 = time.perf_counter()
-            assert len(res) == len(batch)
-            del res  # what a consumer does once it has used a call's results, timed on its own
-            extract.stats = getattr(gen, "_speccompat_stats", None) or {}  # phases of the last call
-            # every call's phases: generate() as the caller sees it, the parts it reports (loop,
-            # collect, unpack; what they leave out is its input checks before the loop), and freeing
-            # the results
-            extract.calls.append({"call_s": round(t1 - t0, 4), "free_s": round(time.perf_counter() - t1, 4),
-                                  **{k: extract.stats.get(k) for k in ("loop_s", "collect_s", "unpack_s",
-                                                                        "staging_made")}})
+    speccompat.apply()
+    from speculators.data_generation import VllmHiddenStatesGenerator
 
-        if args.mode == "generator-stream":
-            from speccompat.generator import stream
+    if mode == "generator-views-async":
+        force_async_scheduling()
+    return VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
+                                     gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
 
-            def extract(batch):  # noqa: F811 - the workload's batches are one stream
-                items = stream(gen, batch, max_in_flight_sequences=extract.bound or None)
-                seen = 0
-                for _, states, stats in items:
-                    seen += len(states) == len(LAYER_IDS)
-                    extract.stats = stats  # of the last sequence handed out
-                assert seen == len(batch), (seen, len(batch))
 
-    dp = (args.dp_size or 1) > 1 and args.barrier is not None  # one engine of a driver-dp run
-    if dp:  # this engine's share of each workload
-        workloads = [{**w, "seqs": w["seqs"][args.dp_rank :: args.dp_size]} for w in workloads]
-    startup = time.perf_counter() - t0
-    pss = PssSampler()
-    # driver modes: the main workload once per --driver-batches size too ("main, batch=B")
+def generator_extractor(args: argparse.Namespace, mode: str, gen):
+    views = {"copy": False} if mode.startswith("generator-views") else {}
+
+    def extract(batch):
+        t0 = time.perf_counter()
+        res = gen.generate(batch, **views)
+        t1 = time.perf_counter()
+        assert len(res) == len(batch)
+        del res  # what a consumer does once it has used a call's results, timed on its own
+        extract.stats = getattr(gen, "_speccompat_stats", None) or {}  # phases of the last call
+        # every call's phases: generate() as the caller sees it, the parts it reports (loop,
+        # collect, unpack; what they leave out is its input checks before the loop), freeing the
+        # results, and the staging files the workers made for it
+        extract.calls.append({"call_s": round(t1 - t0, 4), "free_s": round(time.perf_counter() - t1, 4),
+                              **{k: extract.stats.get(k) for k in ("loop_s", "collect_s", "unpack_s",
+                                                                    *STAGING_FIELDS)}})
+
+    if mode == "generator-stream":
+        from speccompat.generator import stream
+
+        def extract(batch):  # noqa: F811 - the workload's batches are one stream
+            items = stream(gen, batch, max_in_flight_sequences=extract.bound or None)
+            seen = 0
+            for _, states, stats in items:
+                seen += len(states) == len(LAYER_IDS)
+                extract.stats = stats  # of the last sequence handed out
+            assert seen == len(batch), (seen, len(batch))
+
+    extract.calls = []
+    return extract
+
+
+def mode_runs(args: argparse.Namespace, mode: str, workloads: list[dict]) -> list[tuple]:
+    """A mode's runs, ``(workload, name, driver batch, page cache)``: each workload; the batched
+    driver modes' main workload once more per --driver-batches size ("main, batch=B"; with
+    --process-per-mode every driver mode's, as before, where the stream modes' are repeats); each
+    disk run once per --page-cache setting, back to back, the order alternating from run to run."""
     runs = [(w, w["name"], None) for w in workloads]
-    if args.mode.startswith("driver") and args.driver_batches:
+    batched = mode.startswith("driver") if args.process_per_mode else mode in BATCHED_DRIVER_MODES
+    if batched and args.driver_batches:
         runs += [(workloads[0], f"{workloads[0]['name']}, batch={b}", b) for b in args.driver_batches]
     runs = [(w, name, b, "drop") for w, name, b in runs]
-    if args.mode.endswith("-disk") and args.page_cache != ["drop"]:
-        # each run once per page-cache setting, back to back, the order alternating from run to
-        # run: an A/B on the same engine and disk minute by minute
+    if mode.endswith("-disk") and args.page_cache != ["drop"]:
+        # an A/B on the same engine and disk minute by minute
         runs = [(w, name + PAGE_CACHE_SUFFIX[c], b, c) for k, (w, name, b, _) in enumerate(runs)
                 for c in (args.page_cache if k % 2 == 0 else args.page_cache[::-1])]
-    # Warm-up, not timed: one pass of every run (--warm-up each) or of the first (first), so that
-    # what is timed is the steady state of a long extraction: engine caches warm, the workers'
-    # staging files grown to the largest call and pinned. A call larger than any before replaces
-    # a pinned multi-GB file (seconds on a GPU), which a long job pays once, not per call.
+    return runs
+
+
+def set_run(extract, args: argparse.Namespace, run: tuple) -> None:
+    w, _, driver_batch, cache = run
+    extract.batch = driver_batch or args.driver_batch
+    extract.page_cache = cache
+    extract.bound = w["per_call"]
     extract.calls = []
-    for w, _, driver_batch, cache in runs if args.warm_up == "each" else runs[:1]:
-        extract.batch = driver_batch or args.driver_batch
-        extract.page_cache = cache
-        extract.bound = w["per_call"]
-        for batch in batches(w, args.mode):
-            extract(batch)
-        clean_up(extract)
-    if dp:
-        barrier(Path(args.barrier), args.dp_rank, args.dp_size)
-    results = []
-    for w, name, driver_batch, cache in runs:
-        seqs, per_call = w["seqs"], w["per_call"] or len(w["seqs"])
-        extract.batch = driver_batch or args.driver_batch
-        extract.page_cache = cache
-        extract.bound = w["per_call"]
-        extract.calls = []
-        todo = batches(w, args.mode)
-        for batch in todo:  # what the job's input is before it starts (the driver's prepared data)
-            getattr(extract, "prepare", lambda _batch: None)(batch)
+
+
+def call_tokens(mode: str, batch: list[list[int]], size: int) -> tuple[str, int]:
+    """What ``extract(batch)`` asks of the engine at once: ``("stream", tokens)`` for a stream (the
+    driver's loop, generator-stream), else ``("generate", tokens)`` of its largest generate() call."""
+    if mode in STREAM_MODES:
+        return "stream", sum(map(len, batch))
+    step = size if mode in BATCHED_DRIVER_MODES else len(batch)
+    return "generate", max((sum(map(len, batch[i : i + step])) for i in range(0, len(batch), step)), default=0)
+
+
+class Child:
+    """Child: the engine of one or more modes (``--child A,B,...``), their warm-up, growing workload
+    and timed passes, in that order, and what it writes back (``--child-out``, after the warm-up,
+    the growing workload and each round, so that a run cut short keeps what it measured)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.modes = args.child.split(",")
+        self.workloads = json.loads(Path(args.inputs).read_text())
+        #: the largest call of each kind this engine has run (call_tokens), which the growing workload's exceed
+        self.largest = {"generate": 0, "stream": 0}
+        # driver options for the whole process where every mode is a driver mode (before the engine
+        # starts, as always), else around each driver mode's passes
+        self.around = not all(m in DRIVER_MODES for m in self.modes)
+        if not self.around:
+            driver_settings(args)
+        t0 = time.perf_counter()
+        self.extracts = open_modes(args, self.modes)
+        self.dp = (args.dp_size or 1) > 1 and args.barrier is not None  # one engine of a driver-dp run
+        if self.dp:  # this engine's share of each workload
+            self.workloads = [{**w, "seqs": w["seqs"][args.dp_rank :: args.dp_size]} for w in self.workloads]
+        self.startup = time.perf_counter() - t0
+        self.pss = PssSampler()
+        self.runs = [(m, run) for m in self.modes for run in mode_runs(args, m, self.workloads)]
+        self.order: list[list] = []
+        #: each mode's timed passes, a list per run (in mode_runs order)
+        self.timed: dict[str, list[list[dict]]] = {m: [] for m in self.modes}
+        self.slot: list[list[dict]] = []  # self.runs[i]'s list in self.timed
+        for mode, _ in self.runs:
+            self.timed[mode].append([])
+            self.slot.append(self.timed[mode][-1])
+        self.grown: dict[str, list[dict]] = {}
+
+    def run(self) -> dict:
+        args = self.args
+        # Warm-up, not timed: one pass of every run (--warm-up each) or of each mode's first (first),
+        # so that what is timed is the steady state of a long extraction: engine caches warm, the
+        # workers' staging files grown to the largest call and pinned. A call larger than any before
+        # replaces a pinned multi-GB file (seconds on a GPU), which a long job pays once, not per call.
+        first = {}
+        for mode, run in self.runs:
+            first.setdefault(mode, run)
+        for mode, run in self.runs if args.warm_up == "each" else list(first.items()):
+            w = run[0]
+            if args.warm_up_sequences:
+                w = {**w, "seqs": w["seqs"][: args.warm_up_sequences]}
+            with self.settings(mode):
+                self.call(mode, (w, *run[1:]))
+            clean_up(self.extracts[mode])
+        self.write(done=False)
+        if self.dp:
+            barrier(Path(args.barrier), args.dp_rank, args.dp_size)
+        if args.grow:
+            self.grow()
+            self.write(done=False)
+        for i, p in interleave(range(len(self.runs)), args.passes):
+            mode, run = self.runs[i]
+            with self.settings(mode):
+                result = self.timed_pass(mode, run, probe=args.probe_after == "each" or
+                                         (args.probe_after == "first" and p == 0))
+            result["at"] = len(self.order)
+            self.order.append([mode, run[1], p])
+            self.slot[i].append(result)
+            if i == len(self.runs) - 1 and p < args.passes - 1:  # the end of a round
+                self.write(done=False)
+        return self.doc(done=True)
+
+    def settings(self, mode: str):
+        return driver_settings(self.args, scoped=True) if self.around and mode in DRIVER_MODES else \
+            contextlib.nullcontext()
+
+    def call(self, mode: str, run: tuple, prepared: bool = False) -> tuple[float, float]:
+        """``run``'s workload once through ``mode``'s extractor (its input prepared first, as the job's
+        is before it starts): the seconds of the calls and when they started (the epoch); what
+        they leave is cleaned up by the caller."""
+        extract = self.extracts[mode]
+        set_run(extract, self.args, run)
+        todo = batches(run[0], mode)
+        for batch in todo:
+            kind, tokens = call_tokens(mode, batch, extract.batch)
+            self.largest[kind] = max(self.largest[kind], tokens)
+        if prepared:
+            for batch in todo:  # what the job's input is before it starts (the driver's prepared data)
+                getattr(extract, "prepare", lambda _batch: None)(batch)
         wall0, t0 = time.time(), time.perf_counter()
+        for batch in todo:
+            extract(batch)
+        return time.perf_counter() - t0, wall0
+
+    def timed_pass(self, mode: str, run: tuple, probe: bool = True) -> dict:
+        args, extract = self.args, self.extracts[mode]
+        w, name, _, cache = run
+        seqs, per_call = w["seqs"], w["per_call"] or len(w["seqs"])
         try:
-            for batch in todo:
-                extract(batch)
+            seconds, wall0 = self.call(mode, run, prepared=True)
         except Exception as exc:  # noqa: BLE001 - e.g. the original generator beyond 32 sequences
-            results.append({"workload": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
-            continue
-        seconds = time.perf_counter() - t0
+            return {"workload": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
         settle_s = clean_up(extract)
         tokens = sum(map(len, seqs))
-        results.append({"workload": name, "seconds": round(seconds, 3), "sequences": len(seqs),
-                        "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-                        "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
-                        **({"driver_batch": extract.batch} if args.mode.startswith("driver") else {}),
-                        **({"page_cache": cache} if args.mode.endswith("-disk") else {}),
-                        **({"cleanup_sync_s": settle_s} if settle_s is not None else {}),
-                        **disk_probe_after(args, getattr(extract, "stats", None) or {}, drop_cache=cache == "drop"),
-                        **({"wall": [round(wall0, 3), round(wall0 + seconds, 3)]} if dp else {}),
-                        **({"last_call": extract.stats} if getattr(extract, "stats", None) else {}),
-                        **({"calls": extract.calls} if extract.calls else {})})
-    return {"mode": args.mode, "startup_s": round(startup, 2), "workloads": results,
-            "peak_rss_mb": round(tree_peak_rss() / 1024, 1), "peak_pss_mb": round(pss.stop() / 1024, 1)}
+        stats = getattr(extract, "stats", None) or {}
+        return {"workload": name, "seconds": round(seconds, 3), "sequences": len(seqs),
+                "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
+                "samples_per_s": round(len(seqs) / seconds, 2), "sequences_per_call": per_call,
+                **({"driver_batch": extract.batch} if mode.startswith("driver") else {}),
+                **({"page_cache": cache} if mode.endswith("-disk") else {}),
+                **({"cleanup_sync_s": settle_s} if settle_s is not None else {}),
+                **(disk_probe_after(args, mode, stats, drop_cache=cache == "drop") if probe else {}),
+                **({"wall": [round(wall0, 3), round(wall0 + seconds, 3)]} if self.dp else {}),
+                **({"last_call": stats} if stats else {}),
+                **({"calls": extract.calls} if extract.calls else {})}
+
+    def grow(self) -> None:
+        """--grow N: N calls of each --grow-modes mode, each larger (in tokens) than every call of its
+        kind (generate() calls, streams) the engine ran before it, by --grow-factor; the modes' calls
+        interleaved. Each call's rate and the workers' staging figures for it."""
+        args = self.args
+        mine = [m for m in self.modes if m in args.grow_modes]
+        plan = {}
+        for kind in ("generate", "stream"):
+            same = [m for m in mine if (m in STREAM_MODES) == (kind == "stream")]
+            if not same:
+                continue
+            # the kind's calls in the order they run, the modes taking turns: each larger than all before
+            sources = [endless(args.min_len, args.max_len, seed=100 + j + 10 * (kind == "stream"))
+                       for j in range(len(same))]
+            calls = grow_calls(self.largest[kind], args.grow * len(same), args.grow_factor ** (1 / len(same)),
+                               sources)
+            plan.update({m: calls[j :: len(same)] for j, m in enumerate(same)})
+        for k in range(args.grow):
+            for mode in mine:
+                seqs = plan[mode][k]
+                run = ({"name": f"grow={k}", "seqs": seqs, "per_call": 0}, f"grow={k}", None, "drop")
+                with self.settings(mode):
+                    seconds, _ = self.call(mode, run, prepared=True)
+                extract = self.extracts[mode]
+                stats = getattr(extract, "stats", None) or {}
+                settle_s = clean_up(extract)
+                tokens = sum(map(len, seqs))
+                self.grown.setdefault(mode, []).append(
+                    {"call": k, "sequences": len(seqs), "tokens": tokens, "seconds": round(seconds, 3),
+                     "tokens_per_s": round(tokens / seconds, 1), **{f: stats.get(f) for f in STAGING_FIELDS},
+                     **({"takes": stats["takes"]} if "takes" in stats else {}),
+                     **({"cleanup_sync_s": settle_s} if settle_s is not None else {}), "at": len(self.order)})
+                self.order.append([mode, f"grow={k}", 0])
+
+    def doc(self, done: bool) -> dict:
+        return {"modes": self.modes, "startup_s": round(self.startup, 2), "passes": self.args.passes,
+                "order": self.order, "runs": self.timed, "grow": self.grown, "complete": done,
+                "peak_rss_mb": round(tree_peak_rss() / 1024, 1),
+                "peak_pss_mb": round((self.pss.stop() if done else max(self.pss.peak, self.pss.sample())) / 1024, 1)}
+
+    def write(self, done: bool) -> None:
+        out = Path(self.args.child_out)
+        tmp = out.with_name(out.name + ".part")
+        tmp.write_text(json.dumps(self.doc(done)))
+        os.replace(tmp, out)  # whole, for the parent that reads it meanwhile
 
 
-def disk_probe_after(args: argparse.Namespace, stats: dict, *, drop_cache: bool = True) -> dict:
+@contextlib.contextmanager
+def _restoring(before: tuple):
+    try:
+        yield
+    finally:
+        import torch
+
+        torch.set_num_threads(before[0])
+        sys.setswitchinterval(before[1])
+
+
+def driver_settings(args: argparse.Namespace, scoped: bool = False):
+    """The driver modes' --driver-torch-threads and --switch-interval, set in this process; ``scoped``:
+    a context that restores what was there before when it ends."""
+    if not args.driver_torch_threads and args.switch_interval is None:
+        return contextlib.nullcontext()
+    import torch
+
+    before = (torch.get_num_threads(), sys.getswitchinterval())
+    if args.driver_torch_threads:
+        torch.set_num_threads(args.driver_torch_threads)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    return _restoring(before) if scoped else contextlib.nullcontext()
+
+
+def disk_probe_after(args: argparse.Namespace, mode: str, stats: dict, *, drop_cache: bool = True) -> dict:
     """The disk's rate for the driver's pattern right after a disk workload, untimed, while the engine
     is idle: the anchor of the same minute, writing as much as the pass wrote (half the free space at
     most), so that it is held to the same sustained volume. The probe before the modes is taken on a
@@ -250,7 +471,7 @@ def disk_probe_after(args: argparse.Namespace, stats: dict, *, drop_cache: bool 
     gave 1.61-1.82. Each file's pages are dropped from the page cache after its fsync when the pass's
     writer dropped them (``drop_cache``), so that the probe has the pass's own pattern. The fields for
     the pass's results (none for other modes)."""
-    if not args.mode.endswith("-disk") or not stats.get("files"):
+    if not mode.endswith("-disk") or not stats.get("files"):
         return {}
     file_bytes = stats["bytes"] // stats["files"]
     total = probe_bytes(stats["bytes"], most=shutil.disk_usage(args.disk_dir).free // 2)
@@ -417,33 +638,28 @@ def cpu_phase(before: dict, after: dict) -> dict:
                                                - before["writer"]["involuntary_switches"])}
 
 
-def driver_extractor(args: argparse.Namespace):
-    """The generator feeding speccompat.dataset's writer: what examples/*/extract_hidden_states.py
-    runs per batch. Each timed call writes a fresh data set (a new directory under the output
-    root) and returns when every file, its checksum and its manifest entry are durable."""
-    import itertools
-
+def driver_extractor(args: argparse.Namespace, mode: str, gen):
+    """``gen`` feeding speccompat.dataset's writer as ``mode`` does: what examples/*/extract_hidden_states.py
+    runs per batch, or ``speccompat extract``'s own loop (the stream modes). Each timed call writes a
+    fresh data set (a new directory under the output root) and returns when every file, its checksum
+    and its manifest entry are durable."""
     import speccompat
     from speccompat.dataset import collect_provenance, open_dataset, read_model_info, scan_jsonl
 
-    speccompat.apply()
-    from speculators.data_generation import VllmHiddenStatesGenerator
-
-    gen = VllmHiddenStatesGenerator(args.model_path, layer_ids=LAYER_IDS, max_model_len=args.max_model_len,
-                                    gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tp)
     info = read_model_info(args.model_path)
-    fp8 = "-fp8" in args.mode
+    fp8 = "-fp8" in mode
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=LAYER_IDS,
                               dtype="fp8" if fp8 else "bfloat16", fp8_scale=args.fp8_scale if fp8 else None,
                               max_seq_len=args.max_model_len - 1, on_long_line="fail",
                               tensor_parallel_size=args.tp, layout=args.driver_format, status=speccompat.status())
     from speccompat.dataset.extract import ExtractConfig, in_flight_tokens, stream_results
 
-    streaming = args.mode.startswith("driver-stream")
+    streaming = mode in STREAM_MODES
+    takes = record_takes() if streaming else []  # the workers' reply to each take of the stream
     budget = in_flight_tokens(ExtractConfig(model_path=args.model_path, prepared_data=Path(), output_dir=Path(),
                                             max_seq_len=args.max_model_len - 1, max_in_flight_gb=args.max_in_flight_gb),
                               info, LAYER_IDS)
-    root = Path(args.disk_dir if args.mode.endswith("-disk") else args.driver_dir)
+    root = Path(args.disk_dir if mode.endswith("-disk") else args.driver_dir)
     root.mkdir(parents=True, exist_ok=True)
     counter = itertools.count()
 
@@ -471,6 +687,7 @@ def driver_extractor(args: argparse.Namespace):
         host1 = cpu_snapshot()
         t1, cpu1 = time.perf_counter(), time.thread_time()
         each = []  # per generate() call: engine loop seconds, staging files the workers had to make
+        takes.clear()
         if streaming:  # the driver's own loop: one stream, a token budget in flight, each written when done
             for sample, states in stream_results(gen, ds.todo, budget):
                 assert not isinstance(states, Exception), states
@@ -496,7 +713,9 @@ def driver_extractor(args: argparse.Namespace):
             probe.close()
         # phases of this call: opening the data set, the engine calls (the writer busy behind them),
         # and the tail: the last batch's files written after the engine's last step
-        extract.stats = {**(getattr(gen, "_speccompat_stats", None) or {}), "files": stats.files,
+        # the stream's staging figures summed over its takes; the batched loop's last call's own
+        made = staging_sum(takes) if streaming else (getattr(gen, "_speccompat_stats", None) or {})
+        extract.stats = {**made, "files": stats.files,
                          "bytes": stats.bytes, "engine_waited_s": round(stats.waited_s, 3), "call": next(counter),
                          # the writer's side: seconds writing files (summed over its threads), committing,
                          # and the most bytes it held at once (the backlog behind the disk)
@@ -516,13 +735,41 @@ def driver_extractor(args: argparse.Namespace):
                             if host1 and host3 else {}),
                          "staging_made_each": [e[1] for e in each]}
         assert stats.files == len(batch), (stats.files, len(batch))
-        # Removing the data set is not part of the job: done after the timed part (run_mode calls it)
+        # Removing the data set is not part of the job: done after the timed part (clean_up)
         extract.cleanup.append(lambda: (shutil.rmtree(out, ignore_errors=True), data.unlink()))
 
     extract.cleanup = []
     extract.prepared = {}  # id(batch) -> (its input file, seconds writing it)
     extract.prepare = prepare
     return extract
+
+
+def record_takes() -> list[dict]:
+    """The stats of each reply of the workers to the streams this process runs, in order (one per
+    take: the requests a step finished, packed into a staging file), recorded by a wrapper of
+    ``speccompat.generator.stream`` that ``speccompat extract``'s loop calls through (installed once;
+    the list is the caller's to clear)."""
+    import speccompat.generator as generator
+
+    if hasattr(generator.stream, "takes"):
+        return generator.stream.takes
+    real = generator.stream
+
+    def stream(*args, **kwargs):
+        items = real(*args, **kwargs)
+        last = None
+        try:
+            for item in items:
+                if item[2] is not last:  # the sequences of one take share its stats
+                    last = item[2]
+                    stream.takes.append(last)
+                yield item
+        finally:
+            items.close()
+
+    stream.takes = []
+    generator.stream = stream
+    return stream.takes
 
 
 def keep_page_cache_ops():
@@ -700,17 +947,47 @@ def child_command(mode: str, args: argparse.Namespace, inputs: Path, out: Path, 
             *(["--driver-torch-threads", str(args.driver_torch_threads)] if args.driver_torch_threads else []),
             *(["--switch-interval", str(args.switch_interval)] if args.switch_interval is not None else []),
             *(["--wake-probe"] if args.wake_probe else []),
-            *(["--driver-batches", *map(str, args.driver_batches)] if args.driver_batches else []), *extra]
+            *(["--driver-batches", *map(str, args.driver_batches)] if args.driver_batches else []),
+            *(["--warm-up-sequences", str(args.warm_up_sequences)] if args.warm_up_sequences else []),
+            "--probe-after", args.probe_after, "--min-len", str(args.min_len), "--max-len", str(args.max_len),
+            *(["--grow", str(args.grow), "--grow-factor", str(args.grow_factor), "--grow-modes", *args.grow_modes]
+              if args.grow else []),
+            *(["--process-per-mode"] if args.process_per_mode else []), *extra]
 
 
 def spawn_mode(mode: str, args: argparse.Namespace, inputs: Path) -> dict:
+    """--process-per-mode: ``mode`` in a fresh process of its own, one timed pass of each run."""
     if mode == "driver-dp":
         return spawn_dp(args, inputs)
     out = Path(tempfile.mkdtemp()) / "result.json"
     proc = subprocess.run(child_command(mode, args, inputs, out), capture_output=True, text=True)
     if proc.returncode != 0:
         return {"mode": mode, "error": (proc.stderr or proc.stdout)[-3000:]}
-    return json.loads(out.read_text())
+    return mode_results(json.loads(out.read_text()), per_mode=True)[mode]
+
+
+def spawn_group(modes: list[str], args: argparse.Namespace, inputs: Path, update) -> None:
+    """``modes`` on one engine in one child process, --repeat timed passes of each run, interleaved.
+    ``update(child, error)`` takes what the child wrote each time it wrote (after its warm-up, its
+    growing workload and each round) and once more at its end, with the end of its log if it failed."""
+    work = Path(tempfile.mkdtemp())
+    out, log = work / "result.json", work / "child.log"
+    seen = None
+    with log.open("w") as fh:
+        proc = subprocess.Popen(child_command(",".join(modes), args, inputs, out, "--passes", str(args.repeat)),
+                                stdout=fh, stderr=subprocess.STDOUT)
+        while True:
+            try:
+                rc = proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                rc = None
+            stamp = out.stat().st_mtime_ns if out.exists() else None
+            if stamp != seen or rc is not None:
+                seen = stamp
+                child = json.loads(out.read_text()) if stamp is not None else None
+                update(child, None if rc in (None, 0) else log.read_text()[-3000:])
+            if rc is not None:
+                return
 
 
 def spawn_dp(args: argparse.Namespace, inputs: Path) -> dict:
@@ -725,7 +1002,8 @@ def spawn_dp(args: argparse.Namespace, inputs: Path) -> dict:
     if any(p.returncode for p in procs):
         k = next(k for k, p in enumerate(procs) if p.returncode)
         return {"mode": "driver-dp", "error": f"engine {k}: " + logs[k][-3000:]}
-    parts = [json.loads((work / f"result-{k}.json").read_text()) for k in range(n)]
+    parts = [mode_results(json.loads((work / f"result-{k}.json").read_text()), per_mode=True)["driver"]
+             for k in range(n)]
     workloads = []
     for ws in zip(*(p["workloads"] for p in parts), strict=True):
         if any("error" in w for w in ws):
@@ -776,7 +1054,9 @@ def main() -> int:
                     help="driver-disk mode: output root on the disk to measure")
     ap.add_argument("--driver-batch", type=int, default=64, help="driver modes: sequences per generate() call")
     ap.add_argument("--driver-batches", type=int, nargs="*", default=[],
-                    help="driver modes: also time the main workload at these sequences per call (same engine)")
+                    help="the batched driver modes (driver, driver-disk): also time the main workload at these "
+                         "sequences per call (same engine); with --process-per-mode every driver mode, as before "
+                         "(the stream modes do not use the batch size: their batch runs are repeats)")
     ap.add_argument("--dp-size", type=int, default=None, help="driver-dp: engines side by side (default 2)")
     ap.add_argument("--writer-threads", type=int, default=None,
                     help="driver modes: writer threads (default: the driver's, one per CPU, 2 to 16)")
@@ -786,9 +1066,35 @@ def main() -> int:
                          "(drop, the writer as it is) or keeps them (keep, as before); both: every pass once "
                          "with each, back to back (workloads named ', keep-cache' for keep)")
     ap.add_argument("--warm-up", choices=["each", "first"], default="each",
-                    help="untimed pass before timing: of every workload and batch size (each), or of the "
-                         "first workload only (first: results files written before this option)")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per mode (the best is kept)")
+                    help="untimed pass before timing: of every workload and batch size of every mode (each), or "
+                         "of each mode's first workload only (first: results files written before this option)")
+    ap.add_argument("--warm-up-sequences", type=int, default=0, metavar="N",
+                    help="the warm-up passes run the first N sequences of their workload (0: all); N at least "
+                         "--sequences-per-call, so that the warm-up makes the largest generate() call")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="timed passes of every mode and workload: the modes that run on speculators' generator "
+                         "share one engine in one process (plain and every other mode have one each), their "
+                         "passes interleaved round-robin (every run's first pass, then every run's second, ...); "
+                         "the results file has every pass, the median (tokens_per_s, from which the ratios are "
+                         "computed) and the spread (tokens_per_s_min, tokens_per_s_max)")
+    ap.add_argument("--process-per-mode", action="store_true",
+                    help="as results files written before --repeat timed passes on a shared engine: each mode "
+                         "in a fresh process of its own, --repeat processes a mode, the best kept")
+    ap.add_argument("--probe-after", choices=["each", "first", "none"], default="each",
+                    help="disk modes: the disk probe after every timed pass (each), after the first pass of "
+                         "each run only (first), or none (a probe writes as much as the pass did)")
+    ap.add_argument("--grow", type=int, default=0, metavar="N",
+                    help="after the warm-up, before the timed passes: N calls of each --grow-modes mode, each "
+                         "larger in tokens than every call of its kind (generate() calls, streams) the engine "
+                         "ran before it (--grow-factor; the modes take turns): each call's tokens/s and the "
+                         "workers' staging_made, staging_made_s, staging_built_s, and the slowest call's "
+                         "tokens/s over the median call's (grow.slowest_over_median)")
+    ap.add_argument("--grow-factor", type=float, default=1.15,
+                    help="--grow: each call's tokens over the last one's (a worker makes a staging file at least a "
+                         "quarter larger than the one it outgrew, so below 1.25 some calls fit the file an earlier "
+                         "one made: staging_made says which did)")
+    ap.add_argument("--grow-modes", nargs="+", choices=GROW_MODES, default=["generator-views", "driver-stream"],
+                    help="--grow: the modes that run it (those of --modes)")
     ap.add_argument("--wake-probe", action="store_true", help="driver modes: a thread in the driver's process "
                     "records how late it gets the GIL back after each 1 ms sleep, during the engine calls and the tail")
     ap.add_argument("--switch-interval", type=float, default=None, metavar="S",
@@ -801,6 +1107,7 @@ def main() -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--inputs", help=argparse.SUPPRESS)
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--passes", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--dp-rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--barrier", help=argparse.SUPPRESS)
     chosen, _ = ap.parse_known_args()
@@ -809,16 +1116,19 @@ def main() -> int:
     args = ap.parse_args()
     if args.switch_interval is not None and args.switch_interval <= 0:
         ap.error("--switch-interval must be positive")
+    if args.repeat < 1 or args.grow < 0 or args.warm_up_sequences < 0:
+        ap.error("--repeat must be at least 1, --grow and --warm-up-sequences at least 0")
+    if args.grow_factor <= 1:
+        ap.error("--grow-factor must be above 1")
+    if args.grow and not args.child and not set(args.grow_modes) & set(args.modes):
+        ap.error(f"--grow runs in --grow-modes ({' '.join(args.grow_modes)}): none of them is in --modes")
     args.page_cache = list(dict.fromkeys(args.page_cache))  # each setting once
     if args.writer_threads is None:  # as the driver would run on this machine
         from speccompat.dataset.extract import default_writer_threads
 
         args.writer_threads = default_writer_threads()
     if args.child:
-        args.mode = args.child
-        if args.switch_interval is not None and args.mode.startswith("driver"):
-            sys.setswitchinterval(args.switch_interval)
-        Path(args.child_out).write_text(json.dumps(run_mode(args)))
+        Path(args.child_out).write_text(json.dumps(Child(args).run()))
         return 0
     work = Path(tempfile.mkdtemp(prefix="speccompat-bench-"))
     if not args.model_path:
@@ -855,14 +1165,50 @@ def main() -> int:
                            "disk_parallel_drop_cache_gbps": disk_parallel_write_gbps(
                                args.disk_dir, args.writer_threads, sample, total, drop_cache=True),
                            "threads": args.writer_threads, "file_bytes": sample, "total_bytes": total}
-    for mode in args.modes:
-        runs = [spawn_mode(mode, args, inputs) for _ in range(args.repeat)]
-        ok = [r for r in runs if "error" not in r]
-        results[mode] = max(ok, key=lambda r: r["workloads"][0].get("tokens_per_s", 0)) if ok else runs[0]
-        # after each mode, so that a run cut short (a time limit) keeps what it measured
-        text = write(document(args, main_seqs, workloads, results), args.out, echo=False)
+    engines: list[dict] = []  # each child's modes, start-up and order of passes
+
+    def save() -> str:  # after each mode and round, so that a run cut short (a time limit) keeps what it measured
+        return write(document(args, main_seqs, workloads, results, engines), args.out, echo=False)
+
+    for group in engine_groups(args.modes, SHARED_MODES, per_mode=args.process_per_mode):
+        if args.process_per_mode:
+            runs = [spawn_mode(group[0], args, inputs) for _ in range(args.repeat)]
+            ok = [r for r in runs if "error" not in r]
+            results[group[0]] = max(ok, key=lambda r: r["workloads"][0].get("tokens_per_s", 0)) if ok else runs[0]
+        elif group == ["driver-dp"]:  # its engines start together: each pass a fresh set of them
+            results["driver-dp"] = repeated([spawn_dp(args, inputs) for _ in range(args.repeat)])
+        else:
+            engine = {"modes": group}
+            engines.append(engine)
+
+            def update(child, error, group=group, engine=engine):
+                if child:
+                    results.update(mode_results(child))
+                    engine.update(startup_s=child["startup_s"], order=child["order"])
+                if error:
+                    for m in group:
+                        results[m] = {**results.get(m, {"mode": m}), "error": error}
+                save()
+
+            spawn_group(group, args, inputs, update)
+        text = save()
     print(text)
     return 0
+
+
+def repeat_fields(args: argparse.Namespace, engines: list[dict] | None) -> dict:
+    """How the document's passes were run: --repeat timed passes on shared engines, interleaved
+    (``engines``: each child's modes, start-up and order of passes), or one process a mode and
+    repeat (--process-per-mode, the best kept; documents without these fields were made so)."""
+    if getattr(args, "process_per_mode", False):
+        return {"process_per_mode": True, "repeat": args.repeat}
+    if engines is None:
+        return {}
+    out = {"passes": args.repeat, "order": "round-robin", "engines": engines,
+           "warm_up_sequences": args.warm_up_sequences or None, "probe_after": args.probe_after}
+    if args.grow:
+        out["grow_settings"] = {"calls": args.grow, "factor": args.grow_factor, "modes": args.grow_modes}
+    return out
 
 
 def hidden_size(args: argparse.Namespace) -> int:
@@ -872,7 +1218,8 @@ def hidden_size(args: argparse.Namespace) -> int:
         return 0
 
 
-def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], results: dict) -> dict:
+def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], results: dict,
+             engines: list[dict] | None = None) -> dict:
     import importlib.metadata as md
 
     def version(d: str) -> str | None:
@@ -942,6 +1289,8 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
                 if d and disk and bytes_per_token(disk_mode):
                     ratios[w["name"]][f"{disk_mode} GB/s / {label} GB/s"] = round(
                         d * bytes_per_token(disk_mode) / 1e9 / disk, 3)
+    # each growing workload's slowest call against its median one (its calls are in results)
+    grow = {m: {k: v for k, v in r["grow"].items() if k != "calls"} for m, r in results.items() if r.get("grow")}
     return {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": time.strftime("%Y-%m-%d"),
@@ -958,6 +1307,8 @@ def document(args: argparse.Namespace, main_seqs: list, workloads: list[dict], r
         **({"driver_torch_threads": args.driver_torch_threads} if getattr(args, "driver_torch_threads", None)
            else {}),
         **({"fp8_scale": fp8_scale} if any("-fp8" in m for m in results) else {}),
+        **repeat_fields(args, engines),
+        **({"grow": grow} if grow else {}),
         "results": results,
         "ratios": ratios,
     }
