@@ -1,17 +1,14 @@
 """``speccompat serve`` without an engine: a fake generator and stream whose states are a function of
 the token ids, a server in a thread of the test process (or, run as a script, in a process of its
-own, for signals), and a real ``mooncake_master`` on loopback.
+own, for signals); the real ``mooncake_master`` on loopback is speccompat.testing.online's.
 
     python tests/serve_fakes.py MODEL_DIR ARGS...   # speccompat serve ARGS with the fake engine
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -23,9 +20,7 @@ sys.path.insert(0, str(REPO))
 
 from dataset_fakes import HIDDEN, LAYERS, VOCAB  # noqa: E402
 
-#: Mooncake's client (pip mooncake-transfer-engine-non-cuda), installed by scripts/mkenv.py beside the environments
-MOONCAKE_VERSION = "0.3.13.post1"
-MOONCAKE_DIR = REPO / ".envs" / f"mooncake-{MOONCAKE_VERSION}"
+from speccompat.testing.online import MOONCAKE_DIR, free_port, mooncake_master, mooncake_missing  # noqa: E402,F401
 
 POISON = VOCAB - 1  # a prompt holding this token gets non-finite states from the fake engine
 FATAL = VOCAB - 2  # ... and this one kills the fake engine
@@ -87,12 +82,6 @@ def fake_stream(gen, token_ids, *, max_in_flight_sequences=None, max_in_flight_t
             yield i, fake_states(seq), {}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get_json(url: str, timeout: float = 10) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -145,48 +134,6 @@ class ThreadServer:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         self.thread.join(60)
-
-
-@contextlib.contextmanager
-def mooncake_master(log: Path):
-    """A ``mooncake_master`` on loopback (RPC, HTTP metadata and admin ports), stopped afterwards;
-    yields ``(master address, metadata URL)``."""
-    binary = MOONCAKE_DIR / "mooncake" / "mooncake_master"
-    rpc, meta, admin = free_port(), free_port(), free_port()
-    cmd = [str(binary), "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-           f"--http_metadata_server_port={meta}", "--rpc_address=127.0.0.1", f"--rpc_port={rpc}",
-           "--metrics_host=127.0.0.1", f"--metrics_port={admin}"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and proc.poll() is None:
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", rpc), timeout=1):
-                break
-            time.sleep(0.1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited ({proc.returncode}): {log.read_text()[-2000:]}")
-        yield f"127.0.0.1:{rpc}", f"http://127.0.0.1:{meta}/metadata"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def mooncake_missing() -> str | None:
-    """Why Mooncake's client cannot run here (None when it can): the package is not installed
-    (scripts/mkenv.py installs it), or its libraries (Debian: libibverbs1 librdmacm1 libnuma1) are missing."""
-    if not (MOONCAKE_DIR / "mooncake" / "store.so").is_file() and not any((MOONCAKE_DIR / "mooncake").glob("store*.so")):
-        return f"Mooncake's client is not installed in {MOONCAKE_DIR} (scripts/mkenv.py installs it)"
-    proc = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(MOONCAKE_DIR)}, timeout=120)
-    if proc.returncode != 0:
-        return ("Mooncake's client does not load (Debian: apt-get install libibverbs1 librdmacm1 libnuma1): "
-                + (proc.stderr.strip().splitlines() or ["?"])[-1])
-    return None
 
 
 if __name__ == "__main__":  # speccompat serve with the fake engine, in a process of its own

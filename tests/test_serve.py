@@ -431,16 +431,15 @@ def test_mooncake_backend_with_a_real_master(model, tmp_path, monkeypatch):
     assert out["rows"] == 10
 
 
-def test_walls_hold_for_the_server():
-    """speccompat.serve belongs to the data product: the core never imports it, it never imports dev
-    tooling (tests/test_walls.py's reader)."""
+def test_the_server_imports_only_the_standard_library_at_module_level():
+    """``speccompat serve`` loads starlette, uvicorn and torch only when it runs (vLLM's spawned workers
+    re-import the command's modules); tests/test_walls.py keeps it in the data product's wing."""
+    from test_walls import DATA, _imports
     from test_walls import REPO as ROOT
-    from test_walls import TOOLING, _imports, _under
 
+    assert "speccompat.serve" in DATA
     files = list((ROOT / "speccompat" / "serve").glob("*.py"))
     assert len(files) >= 5
-    bad = [(f.name, name) for f in files for name, _ in _imports(f) if _under(name, TOOLING)]
-    assert not bad, bad
     top = [(f.name, name) for f in files for name, at_top in _imports(f) if at_top
            and name.split(".")[0] not in set(sys.stdlib_module_names) | {"speccompat", "__future__"}]
     assert not top, f"module-level imports beyond the standard library: {top}"
