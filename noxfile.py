@@ -146,13 +146,16 @@ def train_serve(session: nox.Session) -> None:
     docs/train-serve.md): `speccompat extract` of a tiny Llama's hidden states in both speculators
     layouts, EAGLE-3 drafts trained by speculators 0.9.0 and 0.4.0.1, served by vLLM with speculative
     decoding next to a layer-shifted and an untrained control; writes benchmarks/results/train-serve-cpu.json.
+    Also the same speculators 0.9.0 training online against `speccompat serve` (--on-missing generate)
+    next to the offline one: benchmarks/results/train-serve-online-cpu.json.
     SPECCOMPAT_ENGINE_LOCK=PATH holds an flock on PATH while each engine runs."""
     session.run("python3", "scripts/mkenv.py", DEFAULT, external=True)
     py = str(REPO / ".envs" / f"vllm-{DEFAULT}" / "bin" / "python")
     session.run(py, "-m", "pytest", "--train-serve", "-p", "no:cacheprovider", "-m", "train_serve", "-s",
                 "tests/engine/test_train_serve.py", *session.posargs, external=True,
                 env={"PYTHONPATH": str(REPO),
-                     "SPECCOMPAT_TRAIN_SERVE_OUT": str(REPO / "benchmarks" / "results" / "train-serve-cpu.json")})
+                     "SPECCOMPAT_TRAIN_SERVE_OUT": str(REPO / "benchmarks" / "results" / "train-serve-cpu.json"),
+                     "SPECCOMPAT_TRAIN_SERVE_ONLINE_OUT": str(REPO / "benchmarks" / "results" / "train-serve-online-cpu.json")})
 
 
 @nox.session(name="serve_e2e", venv_backend="none")

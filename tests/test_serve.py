@@ -193,6 +193,34 @@ def test_speculators_09_generates_online(model, tmp_path, backend):
     assert left == [], left  # FileTransfer.delete unlinked every file
 
 
+def test_chat_completions_through_the_chat_template(model, tmp_path):
+    """``messages`` are rendered with the tokenizer's chat template (speculators sends
+    ``add_generation_prompt`` false); the response carries ``prompt_token_ids`` at the top level and
+    its states are those of the rendered ids; image parts are refused with one line."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from speccompat.testing.models import RECIPES, _write_tokenizer
+
+    (model / "tokenizer.json").unlink()
+    _write_tokenizer(model, RECIPES["llama"])
+    messages = [{"role": "user", "content": "w10 w11 w12"}, {"role": "assistant", "content": "w40 w41"}]
+    want = AutoTokenizer.from_pretrained(model).apply_chat_template(messages, tokenize=True, add_generation_prompt=False,
+                                                                     return_dict=False)
+    with ThreadServer(["--model-path", str(model), *ARGS, "--hidden-states-dir", str(tmp_path / "hs")]) as srv:
+        url = f"{srv.url}/v1/chat/completions"
+        status, body, _ = post_json(url, {"model": str(model), "messages": messages, "max_tokens": 1,
+                                          "add_generation_prompt": False, "continue_final_message": False,
+                                          "return_token_ids": True})
+        image = post_json(url, {"model": str(model), "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+        t = load_file(body["kv_transfer_params"]["hidden_states_path"])
+    assert status == 200 and body["object"] == "chat.completion", body
+    assert body["prompt_token_ids"] == want and len(want) > 5
+    assert t["token_ids"].tolist() == want and torch.equal(t["hidden_states"], torch.stack(fake_states(want), dim=1))
+    assert image[0] == 400 and "only text content is served" in image[1]["error"]["message"]
+
+
 def test_fp8_file_layout(model, tmp_path):
     """The fp8 backend's file: FP8HiddenStatesConnector's tensors, speccompat.dataset.fp8's rule."""
     from safetensors.torch import load_file
