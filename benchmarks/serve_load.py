@@ -4,14 +4,18 @@ settings and machine.
     python benchmarks/serve_load.py --out benchmarks/results/serve-load-cpu.json     # nox -s serve_load
 
 1. The offline driver: ``speccompat extract --format speculators-arrow`` of the samples into /dev/shm
-   (its own summary line gives the extraction's tokens/s, engine start excluded).
+   (its own summary line gives the extraction's tokens/s, engine start excluded), once before the
+   server starts and once after it stopped: on a shared machine the two bound what the offline driver
+   did meanwhile, and the ratios use their mean.
 2. The server: ``speccompat serve --backend file --hidden-states-dir /dev/shm/...`` (or ``--backend``),
    then for each ``--concurrency`` C, C clients on loopback send every sample once as speculators
    0.9's client does (``completions.create(prompt=ids, max_tokens=1, extra_body={"return_token_ids":
    True})``, ``prompt_token_ids`` checked), then read the file and delete it as hs-connectors'
    ``FileTransfer`` does (``load_file``, ``unlink``). Per level: tokens/s over the level's wall time,
    request latency percentiles (send to response), the server's and its workers' peak memory, and
-   the ratio to the offline driver's tokens/s.
+   the ratio to the offline driver's tokens/s; the last level runs twice, and a peak that does not
+   grow on the second pass shows the server's memory bounded under that load. The 1-minute load
+   average is recorded with each measurement (the machine may be shared).
 
 Bounded: ``--samples`` requests per level, ``--timeout`` seconds per request; the server and the
 driver are stopped whatever happens. Same samples, same engine settings (max_model_len, memory
@@ -115,6 +119,26 @@ async def load(url: str, model: str, rows: list[list[int]], concurrency: int, ti
                            "mean": round(statistics.fmean(lat) * 1000, 1) if lat else None}}
 
 
+def loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def offline_run(model: Path, data: Path, work: Path, name: str, max_len: int, env_: dict, dtype: str) -> dict:
+    from speccompat.testing.online import extract_offline
+
+    out = work / name
+    t0 = time.monotonic()
+    load0 = loadavg()
+    extract_offline(model, data, out, LAYER_IDS, env=env_, max_seq_len=max_len, dtype=dtype, log=work / f"{name}.log")
+    m = re.search(r"extraction ([0-9.]+) s: ([0-9]+) tokens/s", (work / f"{name}.log").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    return {"wall_s": round(time.monotonic() - t0, 1), "extraction_s": float(m.group(1)),
+            "tokens_per_s": float(m.group(2)), "into": "/dev/shm", "loadavg_1m": [load0, loadavg()]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -128,7 +152,7 @@ def main() -> int:
     ap.add_argument("--work", default=None, help="work directory (default: a new one under /dev/shm)")
     args = ap.parse_args()
     from speccompat.testing.models import make_checkpoint
-    from speccompat.testing.online import ServerProcess, extract_offline
+    from speccompat.testing.online import ServerProcess
 
     work = Path(args.work or tempfile.mkdtemp(prefix="speccompat-serve-load-", dir="/dev/shm"))
     work.mkdir(parents=True, exist_ok=True)
@@ -152,16 +176,9 @@ def main() -> int:
                                        cwd=REPO).stdout.strip()
     except Exception:  # noqa: BLE001 - informational
         pass
+    dtype = "fp8" if args.backend == "fp8" else "bfloat16"
     print("offline driver ...", file=sys.stderr, flush=True)
-    offline = work / "offline"
-    t0 = time.monotonic()
-    extract_offline(model, data, offline, LAYER_IDS, env=e, max_seq_len=args.max_len,
-                    dtype="fp8" if args.backend == "fp8" else "bfloat16", log=work / "extract.log")
-    log = (work / "extract.log").read_text()
-    m = re.search(r"extraction ([0-9.]+) s: ([0-9]+) tokens/s", log)
-    doc["offline"] = {"wall_s": round(time.monotonic() - t0, 1), "extraction_s": float(m.group(1)),
-                      "tokens_per_s": float(m.group(2)), "into": "/dev/shm"}
-    shutil.rmtree(offline, ignore_errors=True)
+    before = offline_run(model, data, work, "offline-before", args.max_len, e, dtype)
     hs = work / "hs"
     server_args = ["--model-path", str(model), "--layer-ids", *map(str, LAYER_IDS), "--backend", args.backend,
                    "--hidden-states-dir", str(hs), "--max-model-len", str(max_len), "--gpu-memory-utilization", "0.1"]
@@ -170,15 +187,23 @@ def main() -> int:
         doc["server_start_s"] = round(server.started_s, 1)
         levels = []
         asyncio.run(load(server.url, str(model), rows[:16], 4, args.timeout))  # warm-up
-        for c in args.concurrency:
+        for k, c in enumerate([*args.concurrency, args.concurrency[-1]]):
             print(f"concurrency {c} ...", file=sys.stderr, flush=True)
+            load0 = loadavg()
             level = asyncio.run(load(server.url, str(model), rows, c, args.timeout))
-            level["ratio_to_offline"] = round(level["tokens_per_s"] / doc["offline"]["tokens_per_s"], 3)
             level["server_peak_mb"] = peak_mb(server.proc.pid)
+            level["loadavg_1m"] = [load0, loadavg()]
+            level["second_pass"] = k == len(args.concurrency)
             levels.append(level)
             print(json.dumps(level), file=sys.stderr, flush=True)
-        doc["online"] = levels
     doc["server_exit"] = server.returncode
+    print("offline driver again ...", file=sys.stderr, flush=True)
+    after = offline_run(model, data, work, "offline-after", args.max_len, e, dtype)
+    mean = (before["tokens_per_s"] + after["tokens_per_s"]) / 2
+    doc["offline"] = {"before": before, "after": after, "mean_tokens_per_s": round(mean, 1)}
+    for level in levels:
+        level["ratio_to_offline"] = round(level["tokens_per_s"] / mean, 3)
+    doc["online"] = levels
     doc["left_in_hs_dir"] = len([p for p in hs.glob("speccompat-*")]) if hs.exists() else 0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

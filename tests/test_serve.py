@@ -221,6 +221,48 @@ def test_chat_completions_through_the_chat_template(model, tmp_path):
     assert image[0] == 400 and "only text content is served" in image[1]["error"]["message"]
 
 
+OFFLINE_GENERATION = textwrap.dedent('''
+    import asyncio, json, sys
+    from pathlib import Path
+    import datasets, torch
+    from safetensors.torch import load_file
+    import_loader(Path(sys.argv[1]))
+    from speculators.cli.generate_offline_data import _generate_and_save_hidden_states
+    from serve_fakes import fake_states
+    url, rows, work = sys.argv[2], json.loads(Path(sys.argv[3]).read_text()), Path(sys.argv[4])
+    ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
+                                     "seq_len": [len(r) for r in rows]})
+    ds.set_format("torch")
+    ds.save_to_disk(str(work / "prepared"))
+    asyncio.run(_generate_and_save_hidden_states(
+        model=None, endpoint=url + "/v1", preprocessed_data=str(work / "prepared"), output=None, max_samples=None,
+        concurrency=4, validate_outputs=True, request_timeout=60, max_retries=0, fail_on_error=True,
+        max_consecutive_errors=None, world_size=1, rank=0))
+    same = 0
+    for k, ids in enumerate(rows):
+        t = load_file(work / "prepared" / "hidden_states" / f"hs_{k}.safetensors")
+        same += t["token_ids"].tolist() == ids and torch.equal(t["hidden_states"], torch.stack(fake_states(ids), dim=1))
+    print(json.dumps({"rows": len(rows), "same": same}))
+''')
+
+
+def test_speculators_09_offline_generation(model, tmp_path):
+    """speculators 0.9.0's own offline data generation (``generate_offline_data``'s loop, 4 concurrent
+    workers, ``--validate-outputs``) against the server moves every file to ``hs_<row>.safetensors``
+    with the row's states."""
+    from trainer_wheels import run_trainer_child
+
+    hs = tmp_path / "hs"
+    rows = prompts(9, seed=10)
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    (tmp_path / "child").mkdir()
+    with ThreadServer(["--model-path", str(model), *ARGS, "--hidden-states-dir", str(hs)]) as srv:
+        out = run_trainer_child(OFFLINE_GENERATION, "0.9.0", [srv.url, str(tmp_path / "rows.json"),
+                                                               str(tmp_path / "child")])
+        left = list(hs.glob("speccompat-*"))
+    assert out == {"rows": 9, "same": 9} and left == []
+
+
 def test_fp8_file_layout(model, tmp_path):
     """The fp8 backend's file: FP8HiddenStatesConnector's tensors, speccompat.dataset.fp8's rule."""
     from safetensors.torch import load_file

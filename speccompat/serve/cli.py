@@ -59,33 +59,28 @@ def positive_int(text: str) -> int:
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
+    from speccompat.dataset.extract import _fraction as check
+
+    return check(text)
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
-    return value
+def _bounded(kind: type, ok: Any, what: str) -> Any:
+    """An argparse type: ``kind(text)`` for which ``ok(value)`` holds, else the error ``what``."""
+
+    def check(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{what}, got {value}")
+        return value
+
+    return check
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any free port), got {value}")
-    return value
+_positive = _bounded(float, lambda v: v > 0, "must be more than 0")
+_port = _bounded(int, lambda v: 0 <= v <= 65535, "a port is 0..65535 (0: any free port)")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

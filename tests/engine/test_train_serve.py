@@ -12,6 +12,11 @@ the gate; ``nox -s train_serve`` or ``pytest --train-serve -m train_serve``. The
 are reused). ``SPECCOMPAT_TRAIN_SERVE_MISLABEL=1`` runs it on a data set whose records name each input
 layer one above the layer captured: check-draft finds nothing wrong there, and the comparison with the
 shifted control fails (docs/train-serve.md shows that run).
+
+``test_online_training_matches_offline``: the same speculators 0.9.0 training, offline on the extracted
+set and online against ``speccompat serve`` (``--on-missing generate``), takes equal steps
+(``speccompat.testing.train_serve online``, docs/online.md; its figures go to
+``SPECCOMPAT_TRAIN_SERVE_ONLINE_OUT``).
 """
 
 from __future__ import annotations
@@ -35,11 +40,16 @@ def result(tmp_path_factory):
     work = Path(os.environ.get("SPECCOMPAT_TRAIN_SERVE_WORK") or tmp_path_factory.mktemp("train-serve"))
     doc = run(work, lock=os.environ.get("SPECCOMPAT_ENGINE_LOCK"), mislabel=MISLABEL)
     print(summary(doc))
-    out = os.environ.get("SPECCOMPAT_TRAIN_SERVE_OUT")
+    keep(work / "results.json", "SPECCOMPAT_TRAIN_SERVE_OUT")
+    return doc
+
+
+def keep(results: Path, variable: str) -> None:
+    """Copy a run's results file to where the environment variable ``variable`` says, if set."""
+    out = os.environ.get(variable)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(work / "results.json", out)
-    return doc
+        shutil.copyfile(results, out)
 
 
 def test_vllm_counted_every_draft(result):
@@ -85,10 +95,7 @@ def online_result(tmp_path_factory):
     base = os.environ.get("SPECCOMPAT_TRAIN_SERVE_WORK")
     work = Path(base) / "online" if base else tmp_path_factory.mktemp("train-serve-online")
     doc = online(work, lock=os.environ.get("SPECCOMPAT_ENGINE_LOCK"))
-    out = os.environ.get("SPECCOMPAT_TRAIN_SERVE_ONLINE_OUT")
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(work / "online-results.json", out)
+    keep(work / "online-results.json", "SPECCOMPAT_TRAIN_SERVE_ONLINE_OUT")
     return doc
 
 
