@@ -160,7 +160,7 @@ async def _body(request: Any) -> dict[str, Any]:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY:
         raise RequestRejected(f"request body of {size} bytes is larger than the {MAX_BODY} this server reads", 413)
-    raw = b""
+    raw = bytearray()
     async for chunk in request.stream():
         raw += chunk
         if len(raw) > MAX_BODY:
