@@ -36,7 +36,7 @@ from serve_fakes import (  # noqa: E402
 )
 
 #: the fake model has 6 layers: LAYERS [1, 2, 4, 5] ascend and end in the final one
-ARGS = ["--layer-ids", *map(str, LAYERS), "--port", "0", "--max-model-len", "257"]
+ARGS = ["--layer-ids", *map(str, LAYERS), "--port", "0", "--max-model-len", "257", "--shutdown-grace", "0.5"]
 
 
 def prompts(n: int, seed: int = 0, lo: int = 4, hi: int = 200) -> list[list[int]]:
@@ -127,69 +127,76 @@ LOADER = textwrap.dedent('''
     from hs_connectors.transfer import FileTransfer, FP8Transfer, MooncakeTransfer
     from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
     from serve_fakes import fake_states
-    url, backend, rows_path, work = sys.argv[2], sys.argv[3], Path(sys.argv[4]), Path(sys.argv[5])
-    rows = json.loads(rows_path.read_text())
-    ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
-                                     "seq_len": [len(r) for r in rows]})
-    ds.set_format("torch")
-    ds.save_to_disk(str(work / "arrow"))
-    if backend == "mooncake":
-        master, meta = sys.argv[6], sys.argv[7]
-        transfer = MooncakeTransfer(MooncakeHiddenStatesStore(MooncakeStoreConfig(
-            local_hostname="127.0.0.1", metadata_server=meta, master_server_address=master,
-            global_segment_size=64 << 20, local_buffer_size=64 << 20)))
-    else:
-        transfer = (FP8Transfer if backend == "fp8" else FileTransfer)(work / "arrow" / "hidden_states")
-    # speculators' own client function, then its trainer's dataset generating every row online
-    client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
-    model = client.models.list().data[0].id
-    transfer.setup()
-    handle, params = generate_hidden_states(client, model, {"input_ids": rows[0]})
-    first = transfer.get_generated(params)
-    check_hidden_states(first, rows[0])
-    transfer.delete(handle)
-    loader = data.ArrowDataset(max_len=4096, datapath=str(work / "arrow"), transfer=transfer,
-                               vllm_endpoint=url + "/v1", on_missing="generate")
-    worst = 0.0
-    for k, ids in enumerate(rows):
-        item = loader[k]
-        want = torch.stack(fake_states(ids), dim=1)
-        assert item["input_ids"].tolist() == ids, k
-        got = torch.cat([item["hidden_states"].view(len(ids), -1, want.shape[-1]),
-                         item["verifier_last_hidden_states"].unsqueeze(1)], dim=1)
-        if backend == "fp8":
-            worst = max(worst, float((got.float() - want.float()).norm() / want.float().norm()))
+    specs, rows = json.loads(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text())
+    out = []
+    for spec in specs:
+        url, backend, work = spec["url"], spec["backend"], Path(spec["work"])
+        ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
+                                         "seq_len": [len(r) for r in rows]})
+        ds.set_format("torch")
+        ds.save_to_disk(str(work / "arrow"))
+        if backend == "mooncake":
+            transfer = MooncakeTransfer(MooncakeHiddenStatesStore(MooncakeStoreConfig(
+                local_hostname="127.0.0.1", metadata_server=spec["meta"], master_server_address=spec["master"],
+                global_segment_size=64 << 20, local_buffer_size=64 << 20)))
         else:
-            assert torch.equal(got, want), k
-    print(json.dumps({"rows": len(rows), "model": model, "first_keys": sorted(first), "worst_rel": worst,
-                      "handle": handle}))
+            transfer = (FP8Transfer if backend == "fp8" else FileTransfer)(work / "arrow" / "hidden_states")
+        # speculators' own client function, then its trainer's dataset generating every row online
+        client = openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
+        model = client.models.list().data[0].id
+        transfer.setup()
+        handle, params = generate_hidden_states(client, model, {"input_ids": rows[0]})
+        first = transfer.get_generated(params)
+        check_hidden_states(first, rows[0])
+        transfer.delete(handle)
+        loader = data.ArrowDataset(max_len=4096, datapath=str(work / "arrow"), transfer=transfer,
+                                   vllm_endpoint=url + "/v1", on_missing="generate")
+        worst = 0.0
+        for k, ids in enumerate(rows):
+            item = loader[k]
+            want = torch.stack(fake_states(ids), dim=1)
+            assert item["input_ids"].tolist() == ids, k
+            got = torch.cat([item["hidden_states"].view(len(ids), -1, want.shape[-1]),
+                             item["verifier_last_hidden_states"].unsqueeze(1)], dim=1)
+            if backend == "fp8":
+                worst = max(worst, float((got.float() - want.float()).norm() / want.float().norm()))
+            else:
+                assert torch.equal(got, want), k
+        out.append({"backend": backend, "rows": len(rows), "model": model, "first_keys": sorted(first),
+                    "worst_rel": worst, "handle": handle})
+    print(json.dumps(out))
 ''')
 
 
-def run_loader(url: str, backend: str, rows, tmp_path, extra=(), extra_path=()):
+def run_loader(specs: list[dict], rows, tmp_path, extra_path=()):
+    """speculators 0.9.0's client and ArrowDataset against each server of ``specs`` (url, backend, and
+    for mooncake master and meta), in one fresh interpreter."""
     from trainer_wheels import run_trainer_child
 
     rows_path = tmp_path / "rows.json"
     rows_path.write_text(json.dumps(rows))
-    work = tmp_path / "child"
-    work.mkdir(exist_ok=True)
-    return run_trainer_child(LOADER, "0.9.0", [url, backend, str(rows_path), str(work), *extra], list(extra_path))
+    for k, spec in enumerate(specs):
+        spec["work"] = str(tmp_path / f"child-{k}")
+        Path(spec["work"]).mkdir()
+    return run_trainer_child(LOADER, "0.9.0", [json.dumps(specs), str(rows_path)], list(extra_path))
 
 
-@pytest.mark.parametrize("backend", ["file", "fp8"])
-def test_speculators_09_generates_online(model, tmp_path, backend):
+def test_speculators_09_generates_online(model, tmp_path):
     """speculators 0.9.0's ``generate_hidden_states`` + hs-connectors' transfer, then its
-    ``ArrowDataset(on_missing="generate")`` over 12 rows: every row's states are the engine's (bf16
-    exact; fp8 within its rounding); the loader deletes every handle, so nothing is left."""
-    hs = tmp_path / "hs"
+    ``ArrowDataset(on_missing="generate")`` over 12 rows, against a file and an fp8 server: every
+    row's states are the engine's (bf16 exact; fp8 within its rounding); the loader deletes every
+    handle, so nothing is left."""
     rows = prompts(12, seed=4)
-    with ThreadServer(["--model-path", str(model), *ARGS, "--backend", backend, "--hidden-states-dir", str(hs)]) as srv:
-        out = run_loader(srv.url, backend, rows, tmp_path)
-        left = sorted(p.name for p in hs.glob("speccompat-*"))
-    assert out["rows"] == 12 and out["model"] == str(model)
-    assert out["first_keys"] == ["hidden_states", "token_ids"]  # FP8Transfer drops the scales once applied
-    if backend == "fp8":
-        assert 0 < out["worst_rel"] < 0.04, out
+    argv = ["--model-path", str(model), *ARGS]
+    with ThreadServer([*argv, "--backend", "file", "--hidden-states-dir", str(tmp_path / "hs-file")]) as f, \
+            ThreadServer([*argv, "--backend", "fp8", "--hidden-states-dir", str(tmp_path / "hs-fp8")]) as q:
+        out = run_loader([{"url": f.url, "backend": "file"}, {"url": q.url, "backend": "fp8"}], rows, tmp_path)
+        left = sorted(p.name for d in ("hs-file", "hs-fp8") for p in (tmp_path / d).glob("speccompat-*"))
+    assert [o["backend"] for o in out] == ["file", "fp8"]
+    for o in out:
+        assert o["rows"] == 12 and o["model"] == str(model)
+        assert o["first_keys"] == ["hidden_states", "token_ids"]  # FP8Transfer drops the scales once applied
+    assert out[0]["worst_rel"] == 0 and 0 < out[1]["worst_rel"] < 0.04, out
     assert left == [], left  # FileTransfer.delete unlinked every file
 
 
@@ -304,7 +311,7 @@ def test_concurrent_clients_share_engine_steps(model, tmp_path):
     assert sum(batches) == 64 and max(batches) > 4, batches
 
 
-@pytest.mark.parametrize(("payload", "status", "message"), [
+BAD_REQUESTS = [
     ({"prompt": []}, 400, "prompt is empty"),
     ({}, 400, "prompt must be a list of token ids, got NoneType"),
     ({"prompt": [1, 2.5]}, 400, "prompt[1]: token id 2.5 is not an integer"),
@@ -318,15 +325,21 @@ def test_concurrent_clients_share_engine_steps(model, tmp_path):
     ({"prompt": [3, 4], "max_tokens": 16}, 400, "send max_tokens=1"),
     ({"prompt": [3, 4], "stream": True}, 400, "send stream=false"),
     ({"prompt": [3, 4], "n": 2}, 400, "send n=1"),
-])
-def test_bad_requests_get_one_line(model, tmp_path, payload, status, message):
+]
+
+
+def test_bad_requests_get_one_line(model, tmp_path):
+    """Each bad request: its status and one line naming the problem; none reaches the engine, and the
+    server goes on serving."""
     with ThreadServer(["--model-path", str(model), *ARGS, "--hidden-states-dir", str(tmp_path / "hs")]) as srv:
-        got, body, _ = post_json(f"{srv.url}/v1/completions", {"model": str(model), "max_tokens": 1} | payload)
+        answers = [post_json(f"{srv.url}/v1/completions", {"model": str(model), "max_tokens": 1} | payload)
+                   for payload, _, _ in BAD_REQUESTS]
         ok, _, _ = completion(srv.url, [3, 4, 5])  # still serving
-    assert (got, ok) == (status, 200), body
-    err = body["error"]
-    assert message in err["message"] and "\n" not in err["message"] and err["code"] == status, err
-    assert srv.gen.batches == [1]  # no bad request reached the engine
+    for (payload, status, message), (got, body, _) in zip(BAD_REQUESTS, answers, strict=True):
+        err = body["error"]
+        assert got == status and message in err["message"] and "\n" not in err["message"], (payload, body)
+        assert err["code"] == status and err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    assert ok == 200 and srv.gen.batches == [1]  # no bad request reached the engine
 
 
 def test_http_errors(model, tmp_path):
@@ -488,7 +501,8 @@ def test_mooncake_backend_with_a_real_master(model, tmp_path, monkeypatch):
         with ThreadServer(argv) as srv:
             assert srv.url, "the server did not start"
             status, body, _ = completion(srv.url, rows[0])
-            out = run_loader(srv.url, "mooncake", rows, tmp_path, extra=[master, meta], extra_path=[str(MOONCAKE_DIR)])
+            (out,) = run_loader([{"url": srv.url, "backend": "mooncake", "master": master, "meta": meta}], rows,
+                                tmp_path, extra_path=[str(MOONCAKE_DIR)])
     manifest = body["kv_transfer_params"]
     assert status == 200 and manifest["version"] == 1 and manifest["handle"].startswith("speccompat-")
     n = len(rows[0])

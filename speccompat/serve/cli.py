@@ -80,6 +80,7 @@ def _bounded(kind: type, ok: Any, what: str) -> Any:
 
 
 _positive = _bounded(float, lambda v: v > 0, "must be more than 0")
+_non_negative = _bounded(float, lambda v: v >= 0, "must be 0 or more")
 _port = _bounded(int, lambda v: 0 <= v <= 65535, "a port is 0..65535 (0: any free port)")
 
 
@@ -126,6 +127,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                      help="stored states not yet claimed by a client; beyond it 503 with Retry-After")
     lim.add_argument("--handle-ttl", type=_positive, default=600.0,
                      help="seconds a stored result waits for its client to delete it; then it is removed")
+    lim.add_argument("--shutdown-grace", type=_non_negative, default=5.0,
+                     help="seconds a stopping server waits for clients to claim the last results before it removes "
+                          "them")
     lim.add_argument("--writer-threads", type=positive_int, default=4, help="threads storing results")
     ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO",
                     help="what is logged to stderr")
@@ -397,7 +401,7 @@ def serve(args: argparse.Namespace, *, generator_factory: Any = None, stream: An
         server.pool.shutdown(wait=True)
         janitor_stop.set()
         janitor_thread.join(timeout=10)
-        deadline = time.monotonic() + min(5.0, args.handle_ttl)
+        deadline = time.monotonic() + min(args.shutdown_grace, args.handle_ttl)
         while handles.items and time.monotonic() < deadline:  # a moment for the last clients to claim theirs
             with contextlib.suppress(Exception):
                 handles.sweep()
