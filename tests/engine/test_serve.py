@@ -5,10 +5,12 @@ for bit; fp8 bit for bit against the offline ``--dtype fp8`` set and within fp8'
 bf16 one), through hs-connectors 0.9.0's transfer of each backend (``FileTransfer``,
 ``FP8Transfer``, ``MooncakeTransfer`` with a real ``mooncake_master`` on loopback).
 
-In the gate: the tiny Llama with the file backend (one extraction, one server), and on the same
-server 24 concurrent clients of speculators' own async client. The rest of the matrix (fp8 and
-mooncake, Kimi-K2.5's ``KimiK25ForConditionalGeneration`` for all three) is ``engine_full`` and
-``serve_e2e`` (``nox -s serve_e2e``, which writes benchmarks/results/serve-e2e-cpu.json).
+In the gate (one engine start: the server): the tiny Llama with the file backend against the shared
+pool engine's states (speculators' generator under speccompat, what the offline driver writes), and
+on the same server 80 requests from 24 concurrent tasks of speculators' own async client. The matrix
+against the offline sets (file, fp8 and mooncake on the Llama and on Kimi-K2.5's
+``KimiK25ForConditionalGeneration``) is ``engine_full`` and ``serve_e2e`` (``nox -s serve_e2e``, which
+writes benchmarks/results/serve-e2e-cpu.json).
 """
 
 from __future__ import annotations
@@ -111,69 +113,90 @@ def compare(case: Case, server: ServerProcess, backend: str, tag: str, extra: li
                              paths)
 
 
-@pytest.mark.parametrize("kind", ["llama"])
-def test_online_equals_offline_file_backend_and_concurrent_clients(cases, kind):
-    """The gate's case: file backend, bit for bit; then speculators' own async client from 24
-    concurrent tasks (80 requests), each answer its own prompt's states; the server exits 0 on
-    SIGTERM and leaves no file behind."""
-    case = cases(kind)
-    hs = case.root / "hs-file"
-    with ServerProcess(server_args(case, "file", hs), case.root / "serve-file.log", env=_env()) as server:
-        got = compare(case, server, "file", "file")
-        many = concurrent_clients(case, server, hs)
-    assert got["rows"] == len(case.rows) and got["exact_rows"] == len(case.rows), got
-    assert got["left_in_online_dir"] == [] and not list(hs.glob("speccompat-*")), "the trainer deleted every file"
-    assert many["ok"] == many["requests"] == 80 and many["mismatched"] == 0, many
-    assert server.returncode == 0, (case.root / "serve-file.log").read_text()[-3000:]
-    assert json.loads((hs / "provenance.json").read_text())["provenance"]["hidden_states"]["layer_ids"] == LAYER_IDS
-    record(f"{kind}-file", {**got, "concurrent": many, "server_start_s": round(server.started_s, 1)})
+#: The gate's layers: the shared pool engine's (tests/engine/conftest.py LAYER_IDS), ascending, the last the final one
+POOL_LAYERS = [0, 2, 4, 5]
 
-
-CONCURRENT = textwrap.dedent('''
+GATE = textwrap.dedent('''
     import asyncio, json, sys
     from pathlib import Path
-    import openai, torch
-    from safetensors.torch import load_file
-    import_loader(Path(sys.argv[1]))
+    import datasets, openai, torch
+    data = import_loader(Path(sys.argv[1]))
+    from hs_connectors.transfer import FileTransfer
     from speculators.data_generation.vllm_client import generate_hidden_states_async
-    url, rows, offline = sys.argv[2], json.loads(Path(sys.argv[3]).read_text()), Path(sys.argv[4])
-    async def main():
+    url, rows, want, work = sys.argv[2], json.loads(Path(sys.argv[3]).read_text()), torch.load(sys.argv[4]), Path(sys.argv[5])
+    ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[0] * 2 + [1] * (len(r) - 2) for r in rows],
+                                     "seq_len": [len(r) for r in rows]})
+    ds.set_format("torch")
+    ds.save_to_disk(str(work / "arrow"))
+    # the trainer's dataset, every row generated online through hs-connectors' FileTransfer
+    live = data.ArrowDataset(max_len=1 << 20, datapath=str(work / "arrow"), transfer=FileTransfer(work / "arrow" / "hidden_states"),
+                             vllm_endpoint=url + "/v1", on_missing="generate")
+    exact = 0
+    for k, ids in enumerate(rows):
+        item, hs = live[k], want[k]
+        assert item["input_ids"].tolist() == ids and item["loss_mask"].tolist() == [0] * 2 + [1] * (len(ids) - 2), k
+        exact += (torch.equal(item["hidden_states"], hs[:, :-1].flatten(1))
+                  and torch.equal(item["verifier_last_hidden_states"], hs[:, -1]))
+    # speculators' own async client from 24 concurrent tasks, 80 requests
+    async def many():
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0)
         model = (await client.models.list()).data[0].id
-        sem, ok, bad = asyncio.Semaphore(24), 0, 0
+        sem, ok = asyncio.Semaphore(24), []
         async def one(k):
-            nonlocal ok, bad
             row = k % len(rows)
             async with sem:
                 path, _ = await generate_hidden_states_async(client, model, {"input_ids": rows[row]})
-            got, want = load_file(path), load_file(offline / "hidden_states" / f"hs_{row}.safetensors")
-            Path(path).unlink()
-            same = torch.equal(got["hidden_states"], want["hidden_states"]) and got["token_ids"].tolist() == rows[row]
-            ok += same
-            bad += not same
+            got = FileTransfer(Path(path).parent).get_generated({"hidden_states_path": path})
+            FileTransfer(Path(path).parent).delete(path)
+            ok.append(torch.equal(got["hidden_states"], want[row]) and got["token_ids"].tolist() == rows[row])
         await asyncio.gather(*(one(k) for k in range(80)))
-        return {"requests": 80, "ok": ok, "mismatched": bad}
-    print(json.dumps(asyncio.run(main())))
+        return {"requests": 80, "ok": sum(ok), "mismatched": len(ok) - sum(ok)}
+    print(json.dumps({"rows": len(rows), "exact_rows": exact, "concurrent": asyncio.run(many())}))
 ''')
 
 
-def concurrent_clients(case: Case, server: ServerProcess, hs: Path) -> dict:
+@pytest.mark.pool(kind="llama")
+def test_online_equals_the_generator_and_concurrent_clients(engines, tmp_path):
+    """The gate's case (one server; the reference is the shared pool engine's, speculators' generator
+    under speccompat, which the offline driver writes unchanged: test_arrow_driver): speculators
+    0.9.0's ArrowDataset(on_missing="generate") through FileTransfer yields every row's states bit for
+    bit; then 80 requests from 24 concurrent tasks of speculators' own generate_hidden_states_async,
+    each answer its own prompt's states; the server exits 0 on SIGTERM and leaves no file behind."""
+    import torch
     from trainer_wheels import run_trainer_child
 
-    rows = case.root / "rows.json"
-    rows.write_text(json.dumps(case.rows))
-    return run_trainer_child(CONCURRENT, "0.9.0", [server.url, str(rows), str(case.offline_set("bfloat16"))])
+    pytest.importorskip("datasets", reason="speculators' ArrowDataset needs `datasets` (speccompat[arrow])")
+    model = engines.checkpoint("llama")
+    _vocab, words = checkpoint_vocab(model)
+    rng = random.Random(21)
+    rows = [random_ids(rng, n, words) for n in (37, 120, 12, 200, 64, 5, 90, 255, 33, 150)]
+    want = [torch.stack(r["hidden_states"], dim=1).to(torch.bfloat16)
+            for r in engines.get("0.4.0.1", "llama").generate(rows)["results"]]
+    (tmp_path / "rows.json").write_text(json.dumps(rows))
+    torch.save(want, tmp_path / "want.pt")
+    hs = tmp_path / "hs"
+    args = ["--model-path", str(model), "--layer-ids", *map(str, POOL_LAYERS), "--backend", "file", "--hidden-states-dir",
+            str(hs), "--max-model-len", str(MAX_SEQ_LEN + 1), "--gpu-memory-utilization", "0.1"]
+    (tmp_path / "child").mkdir()
+    with ServerProcess(args, tmp_path / "serve.log", env=_env()) as server:
+        got = run_trainer_child(GATE, "0.9.0", [server.url, str(tmp_path / "rows.json"), str(tmp_path / "want.pt"),
+                                                str(tmp_path / "child")])
+    assert got["rows"] == len(rows) and got["exact_rows"] == len(rows), got
+    assert got["concurrent"] == {"requests": 80, "ok": 80, "mismatched": 0}, got
+    assert server.returncode == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    assert not list(hs.glob("speccompat-*")), "the trainer deleted every file"
+    assert json.loads((hs / "provenance.json").read_text())["provenance"]["hidden_states"]["layer_ids"] == POOL_LAYERS
 
 
-MATRIX = [("llama", "fp8"), ("llama", "mooncake"), ("kimi_k25", "file"), ("kimi_k25", "fp8"), ("kimi_k25", "mooncake")]
+MATRIX = [("llama", "file"), ("llama", "fp8"), ("llama", "mooncake"), ("kimi_k25", "file"), ("kimi_k25", "fp8"), ("kimi_k25", "mooncake")]
 
 
 @pytest.mark.engine_full
 @pytest.mark.serve_e2e
 @pytest.mark.parametrize(("kind", "backend"), MATRIX, ids=[f"{k}-{b}" for k, b in MATRIX])
 def test_online_equals_offline(cases, kind, backend, tmp_path):
-    """The other backends and Kimi-K2.5 (its VLM wrapper, text prompts): every row bit for bit
-    (fp8: against the offline fp8 set; within fp8's rounding of the bf16 set)."""
+    """The three backends on Llama and Kimi-K2.5 (its VLM wrapper, text prompts): every row bit for bit
+    against the offline set (fp8: against the offline fp8 set; within fp8's rounding of the bf16 set)."""
     case = cases(kind)
     if backend == "mooncake" and (why := mooncake_missing()):
         pytest.skip(why)
