@@ -41,8 +41,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "engine_full: leaves the gate (scripts/test); runs with --engine-full")
     config.addinivalue_line("markers", "train_serve: extraction -> training -> serving, end to end; leaves the "
                             "gate; runs with --train-serve")
-    config.addinivalue_line("markers", "serve_e2e: speccompat serve against the offline set, every backend and "
-                            "model (engine_full too; nox -s serve_e2e)")
     if "SPECCOMPAT_CACHE_DIR" not in os.environ:  # the model identity's digests: not into the user's cache
         import tempfile
 
