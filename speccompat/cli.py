@@ -234,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         from .dataset.extract import main as extract_main
 
         return extract_main(argv[1:], prog="speccompat extract")
+    if argv[:1] == ["serve"]:  # the online server (speccompat.serve), loaded only when asked for
+        from .serve.cli import main as serve_main
+
+        return serve_main(argv[1:], prog="speccompat serve")
     ap = argparse.ArgumentParser(prog="speccompat", description="speccompat: speculators 0.3/0.4 on any vLLM")
     from . import __version__
 
@@ -241,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd")
     sub.add_parser("extract", help="extract the hidden states of tokenized samples into a data set "
                    "(speccompat extract --help; exit 0 done, 1 failed, 2 refused, 130 interrupted)")
+    sub.add_parser("serve", help="serve hidden states to speculators >= 0.9's online clients (speccompat serve --help; "
+                   "exit 0 stopped by a signal, 1 engine failed, 2 refused)")
     d = sub.add_parser("doctor", help="diagnose the installed speculators/vLLM combination "
                        "(exit 0 supported, 3 works but not run end to end, 1 not supported)")
     d.add_argument("--json", action="store_true", help="print the report as JSON")

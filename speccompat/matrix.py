@@ -264,8 +264,9 @@ HOT_PATH = ("__init__.py", "_state.py", "_version.py", "adapter.py", "api.py", "
             "plugin.py", "probe.py", "registry.py", "stand_ins.py", "streaming.py", "transport.py")
 #: speccompat modules that do not run during an extraction: reports and the command line, this
 #: matrix, the static probe (static evidence), the release watch, the scale-out helpers of the example
-#: drivers; the data set library (``dataset/``) and the test harness (``testing/``) are outside too.
-OFF_PATH = ("__main__.py", "cli.py", "demo.py", "matrix.py", "parallel.py", "report.py", "static_probe.py",
+#: drivers, the online server (``serve/``: it calls the generator, as the extraction driver does); the
+#: data set library (``dataset/``) and the test harness (``testing/``) are outside too.
+OFF_PATH = ("__main__.py", "cli.py", "demo.py", "matrix.py", "parallel.py", "report.py", "serve", "static_probe.py",
             "watch.py")
 
 

@@ -5,8 +5,8 @@
   (``report``, ``registry``, ``matrix`` reads ``compat_matrix.yaml`` for it). At module level it
   imports the standard library, ``packaging`` and ``wrapt`` only (vLLM, torch and speculators are the
   user's: imported inside functions, when there); it never imports the data product or dev tooling.
-- the data product: ``speccompat/dataset/`` (and ``parallel``, the scale-out of its extraction): it
-  may use the core, never dev tooling.
+- the data product: ``speccompat/dataset/`` (and ``parallel``, the scale-out of its extraction, and
+  ``speccompat/serve/``, the online server): it may use the core, never dev tooling.
 - dev tooling: the test harness (``speccompat.testing``), the static probe, the release watch and
   ``demo``: nothing in the core or the data product imports them; ``matrix`` reads
   ``speccompat.testing``'s recipe table only while it generates the matrix, and runs the watch for
@@ -23,7 +23,7 @@ from speccompat import matrix
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLING = ("speccompat.testing", "speccompat.static_probe", "speccompat.demo", "speccompat.watch")
-DATA = ("speccompat.dataset", "speccompat.parallel")
+DATA = ("speccompat.dataset", "speccompat.parallel", "speccompat.serve")
 #: speccompat modules outside HOT_PATH that belong to the core: the status apply() and doctor report
 CORE_EXTRA = ("report", "registry", "matrix")
 #: function-level imports of dev tooling allowed in the core, with the reason
@@ -96,7 +96,8 @@ def test_the_core_never_imports_the_data_product_or_dev_tooling():
 
 
 def test_the_data_product_never_imports_dev_tooling():
-    files = list((REPO / "speccompat" / "dataset").glob("*.py")) + [REPO / "speccompat" / "parallel.py"]
+    files = (list((REPO / "speccompat" / "dataset").glob("*.py")) + [REPO / "speccompat" / "parallel.py"]
+             + list((REPO / "speccompat" / "serve").glob("*.py")))
     bad = [(_module(f), name) for f in files for name, _ in _imports(f) if _under(name, TOOLING)]
     assert not bad, f"the data product imports dev tooling: {bad}"
     assert any(_under(name, ("speccompat.dataset",)) for f in files for name, _ in _imports(f))

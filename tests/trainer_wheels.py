@@ -70,11 +70,12 @@ def trainer_path(version: str) -> list[str]:
     return [str(_wheel_dir(req)) for req in TRAINERS[version]]
 
 
-def run_trainer_child(code: str, version: str, args: list[str]) -> Any:
+def run_trainer_child(code: str, version: str, args: list[str], extra_path: list[str] = ()) -> Any:
     """Run ``code`` in a fresh interpreter with speculators ``version`` importable (``import_loader``
-    defined, argv: the speculators root, then ``args``); it must print JSON on its last line."""
+    defined, argv: the speculators root, then ``args``; ``extra_path`` also on its path); it must
+    print JSON on its last line."""
     paths = trainer_path(version)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, str(REPO), str(REPO / "tests")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, str(REPO), str(REPO / "tests"), *extra_path])}
     proc = subprocess.run([sys.executable, "-c", IMPORT_LOADER + code, paths[0], *args], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -29,7 +29,8 @@ instead (what speculators >= 0.5 and NVIDIA Model-Optimizer extract with): the a
 draft config as ``eagle_aux_hidden_state_layer_ids``, ``ExampleHiddenStatesConnector`` writes each
 request's ``[n, len(aux_ids), H]`` states to a safetensors file, read back here. The connector's
 write-out uses CUDA streams (vllm/distributed/kv_transfer/kv_connector/v1/
-example_hidden_states_connector.py, ``_submit_async_write``): it runs on GPUs only.
+example_hidden_states_connector.py, ``_submit_async_write``): it runs on GPUs only; ``--cpu-connector``
+does that copy on the CPU (:mod:`speccompat.testing.native_cpu`) and keeps the rest vLLM's.
 """
 
 from __future__ import annotations
@@ -200,20 +201,26 @@ def run(model: str, aux_ids: list[int], sequences: list[list[int]], *, repeat: i
     return doc
 
 
-def native_engine_args(aux_ids: list[int], store: str) -> dict[str, Any]:
+def native_engine_args(aux_ids: list[int], store: str, cpu_connector: bool = False) -> dict[str, Any]:
     """``LLM(...)`` arguments of vLLM's ``extract_hidden_states`` path, as speculators >= 0.5 and
     NVIDIA Model-Optimizer configure it: the aux ids in the draft config, ``ExampleHiddenStatesConnector``
-    writing each request's states under ``store``, chunked prefill and prefix caching off."""
+    writing each request's states under ``store``, chunked prefill and prefix caching off.
+    ``cpu_connector``: the same connector with its CUDA-stream copy done on the CPU
+    (:mod:`speccompat.testing.native_cpu`)."""
+    connector = {"kv_connector": "ExampleHiddenStatesConnector"}
+    if cpu_connector:
+        connector = {"kv_connector": "CpuHiddenStatesConnector",
+                     "kv_connector_module_path": "speccompat.testing.native_cpu"}
     return {"enable_prefix_caching": False, "enable_chunked_prefill": False,
             "speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                    "draft_model_config": {"hf_config": {
                                        "eagle_aux_hidden_state_layer_ids": list(aux_ids)}}},
-            "kv_transfer_config": {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+            "kv_transfer_config": {**connector, "kv_role": "kv_producer",
                                    "kv_connector_extra_config": {"shared_storage_path": store}}}
 
 
 def run_native(model: str, aux_ids: list[int], sequences: list[list[int]], *, max_model_len: int = 1024,
-               gpu_memory_utilization: float = 0.1) -> dict[str, Any]:
+               gpu_memory_utilization: float = 0.1, cpu_connector: bool = False) -> dict[str, Any]:
     """The same states through vLLM's ``extract_hidden_states`` (configured as speculators 0.5+ does:
     chunked prefill and prefix caching off, one token sampled), one request per sequence."""
     import shutil
@@ -227,7 +234,8 @@ def run_native(model: str, aux_ids: list[int], sequences: list[list[int]], *, ma
     try:
         llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len,
                   max_num_batched_tokens=max(2048, max_model_len), max_num_seqs=8,
-                  gpu_memory_utilization=gpu_memory_utilization, **native_engine_args(aux_ids, store))
+                  gpu_memory_utilization=gpu_memory_utilization, **cpu_mla_rotary_fix(model),
+                  **native_engine_args(aux_ids, store, cpu_connector))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         results = []
         for seq in sequences:
@@ -259,7 +267,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--native", action="store_true",
-                    help="through vLLM's extract_hidden_states speculative method (GPU only)")
+                    help="through vLLM's extract_hidden_states speculative method (its connector: GPU only)")
+    ap.add_argument("--cpu-connector", action="store_true",
+                    help="--native with the connector's CUDA-stream copy done on the CPU (speccompat.testing.native_cpu)")
     ap.add_argument("--layer-hooks", action="store_true",
                     help="read the states by forward hooks on the decoder layers (a model without SupportsEagle3)")
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -271,7 +281,7 @@ def main() -> None:
         sequences = json.load(f)
     if args.native:
         doc = run_native(args.model, args.aux_ids, sequences, max_model_len=args.max_model_len,
-                         gpu_memory_utilization=args.gpu_memory_utilization)
+                         gpu_memory_utilization=args.gpu_memory_utilization, cpu_connector=args.cpu_connector)
     else:
         doc = run(args.model, args.aux_ids, sequences, repeat=args.repeat, max_model_len=args.max_model_len,
                   gpu_memory_utilization=args.gpu_memory_utilization, layer_hooks=args.layer_hooks,

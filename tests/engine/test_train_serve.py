@@ -12,6 +12,11 @@ the gate; ``nox -s train_serve`` or ``pytest --train-serve -m train_serve``. The
 are reused). ``SPECCOMPAT_TRAIN_SERVE_MISLABEL=1`` runs it on a data set whose records name each input
 layer one above the layer captured: check-draft finds nothing wrong there, and the comparison with the
 shifted control fails (docs/train-serve.md shows that run).
+
+``test_online_training_matches_offline``: the same speculators 0.9.0 training, offline on the extracted
+set and online against ``speccompat serve`` (``--on-missing generate``), takes equal steps
+(``speccompat.testing.train_serve online``, docs/online.md; its figures go to
+``SPECCOMPAT_TRAIN_SERVE_ONLINE_OUT``).
 """
 
 from __future__ import annotations
@@ -35,11 +40,16 @@ def result(tmp_path_factory):
     work = Path(os.environ.get("SPECCOMPAT_TRAIN_SERVE_WORK") or tmp_path_factory.mktemp("train-serve"))
     doc = run(work, lock=os.environ.get("SPECCOMPAT_ENGINE_LOCK"), mislabel=MISLABEL)
     print(summary(doc))
-    out = os.environ.get("SPECCOMPAT_TRAIN_SERVE_OUT")
+    keep(work / "results.json", "SPECCOMPAT_TRAIN_SERVE_OUT")
+    return doc
+
+
+def keep(results: Path, variable: str) -> None:
+    """Copy a run's results file to where the environment variable ``variable`` says, if set."""
+    out = os.environ.get(variable)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(work / "results.json", out)
-    return doc
+        shutil.copyfile(results, out)
 
 
 def test_vllm_counted_every_draft(result):
@@ -75,3 +85,26 @@ def test_trained_draft_beats_the_shifted_and_the_untrained_draft(result):
     for name in ("trained_09_vs_shifted", "trained_09_vs_untrained", "trained_04_vs_untrained"):
         if name in comparisons:
             assert comparisons[name]["clearly_better"], (name, comparisons[name])
+
+
+@pytest.fixture(scope="module")
+def online_result(tmp_path_factory):
+    pytest.importorskip("datasets", reason="--format speculators-arrow needs `datasets` (speccompat[arrow])")
+    from speccompat.testing.train_serve import online
+
+    base = os.environ.get("SPECCOMPAT_TRAIN_SERVE_WORK")
+    work = Path(base) / "online" if base else tmp_path_factory.mktemp("train-serve-online")
+    doc = online(work, lock=os.environ.get("SPECCOMPAT_ENGINE_LOCK"))
+    keep(work / "online-results.json", "SPECCOMPAT_TRAIN_SERVE_ONLINE_OUT")
+    return doc
+
+
+def test_online_training_matches_offline(online_result):
+    """speculators 0.9.0 trained from rows alone against ``speccompat serve`` (``--on-missing generate``)
+    takes the same steps as trained on the offline set: every logged loss and every draft weight equal."""
+    losses = online_result["losses"]
+    assert len(losses) >= 3 and losses[0]["step"] == 1, losses
+    assert online_result["max_abs_loss_diff"] == 0.0, losses
+    assert losses[-1]["offline"] < losses[0]["offline"] / 2, losses  # it trained
+    assert online_result["same_draft_weights"]["equal"], online_result["same_draft_weights"]
+    assert online_result["server_exit"] == 0 and online_result["left_in_hs_dir"] == []
