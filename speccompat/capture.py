@@ -26,22 +26,18 @@ the runner's own buffers instead; a step whose ids cannot be read at all is coun
 
 Where the driver gives the call's request ids and prompt lengths (speccompat's ``generate`` does,
 through ``_reset_capture``), each step's states are copied to their place in the reply as the step
-ends: on a GPU on a side stream into the pinned staging file, overlapping the next steps' forward.
-The verification above still decides at the end; whatever it cannot confirm (a restarted request,
-a step outside the plan, non-finite values) is gathered again from the device.
+ends (on a GPU on a side stream into the pinned staging file, overlapping the next steps' forward);
+what the verification cannot confirm (a restarted request, a step outside the plan, non-finite
+values) is gathered again from the device.
 
-What differs between vLLM releases here (how the runner exposes the batch order, warm-up calls,
-M-RoPE positions, sequence-parallel shards, the multimodal wrapper, the scheduler output's
-fields) is asked of the adapter (:class:`speccompat.adapter.Adapter`, "worker side"), whose
-fingerprint holds the vLLM symbols those operations read.
-
-Which convention a decoder-layer class follows is also the adapter's to say
-(:meth:`~speccompat.adapter.Adapter.layer_convention`, per vLLM range). A layer class no adapter
-declares (vLLM 0.33.0's Kimi-K3 layers return ``(hidden_states, prefix_sum, residual)``) is refused
-when the capture is set up, naming the model, the layer class and what its ``forward`` returns,
-before any state is captured; every call of a hooked layer is then checked against its convention
-(tuple arity, each element ``[tokens, hidden]``), so a layer that changes its convention in a later
-release fails loudly instead of yielding plausible but wrong states.
+What differs between vLLM releases (the runner's batch order, warm-up calls, M-RoPE positions,
+sequence-parallel shards, the multimodal wrapper, the scheduler output's fields, each decoder-layer
+class's output convention) is asked of the adapter (:class:`speccompat.adapter.Adapter`, "worker
+side"), whose fingerprint holds the vLLM symbols those operations read. A layer class no adapter
+declares (vLLM 0.33.0's Kimi-K3 layers return ``(hidden_states, prefix_sum, residual)``) is refused at
+set-up, naming the model, the class and what its ``forward`` returns; every call of a hooked layer is
+checked against its convention (tuple arity, each element ``[tokens, hidden]``), so a convention that
+changes in a later release fails loudly instead of yielding plausible but wrong states.
 """
 
 from __future__ import annotations
@@ -70,8 +66,6 @@ def _adapter() -> Any:
 
     return STATE.require_adapter()
 
-
-# ---------------------------------------------------------------------- output conventions
 
 
 def _sum_pair(output: Any) -> Any:
@@ -368,7 +362,6 @@ class WorkerCapture:
             )
         return out
 
-    # ------------------------------------------------------------------------------- attachment
     def _attach(self) -> None:
         for i in self.layer_ids:
             self._handles.append(self.layers[i].register_forward_hook(self._layer_hook(i, self.conventions[i])))
@@ -426,7 +419,6 @@ class WorkerCapture:
             self.plan.wait()
         self.staging.release()
 
-    # ----------------------------------------------------------------------------------- steps
     def _open_step(self, so: Any) -> _Step:
         scheduled, total, prompts = self.adapter.step_of(so)
         self.prompts.update(prompts)
@@ -484,7 +476,6 @@ class WorkerCapture:
         self.collecting = collecting
         self.plan = _Plan(list(req_ids), list(lengths), busy) if collecting and req_ids is not None else None
 
-    # ----------------------------------------------------------------------- per-step placement
     def _side_stream(self, device: Any) -> Any:
         import torch
 
@@ -596,7 +587,6 @@ class WorkerCapture:
             step.screened = torch.cuda.Event()
             step.screened.record(side)
 
-    # -------------------------------------------------------------------------------- assembly
     def collect(self, req_ids: list[str], busy: Any = ()) -> dict[str, Any] | None:
         """Verify and pack the states of ``req_ids`` (in that order). Only TP rank 0 answers."""
         try:
@@ -754,8 +744,6 @@ class WorkerCapture:
             "tokens would be attributed to the wrong sequence"
         )
 
-
-# ------------------------------------------------------------------- HiddenStatesWorkerExtension
 
 
 def setup_hidden_states_capture(self: Any, layer_ids: list[int]) -> None:
