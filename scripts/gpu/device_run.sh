@@ -74,6 +74,7 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
       PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 -c "
 import importlib, time
 t = time.monotonic()
+import speccompat; speccompat.apply()  # before speculators, as every user does
 for m in ('torch', 'transformers', 'vllm', 'vllm.v1.executor.multiproc_executor', 'vllm.v1.worker.gpu_worker',
           'vllm.entrypoints.llm', 'vllm.model_executor.models.llama', 'vllm.model_executor.models.deepseek_v2',
           'vllm.model_executor.models.kimi_k25', 'vllm.model_executor.models.qwen3', 'speccompat.capture',
