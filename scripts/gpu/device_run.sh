@@ -70,7 +70,7 @@ json.dump({'vllm': sys.argv[1], 'vllm_dist': 'vllm', 'speculators': spec, 'pytho
     # The packages were installed without byte code (--no-compile): import what an engine start imports
     # once now, so that the proof's processes, which start side by side, do not each compile it; then
     # once more, to see what a start's imports cost with the byte code there.
-    for pass in compile warm; do
+    for pass in ${IMPORT_PASSES-compile warm}; do  # IMPORT_PASSES="": no timing
       PYTHONPATH="$PYTHONPATH:/tmp/spec-0.4.0.1" python3 -c "
 import importlib, time
 t = time.monotonic()
@@ -139,7 +139,7 @@ print('imports ($pass):', round(time.monotonic() - t, 1), 's')" 2>&1 | grep -v W
       tests/test_capture.py tests/test_transport.py tests/test_stream.py"
     t0=$(date +%s.%N); pids=()
     for k in $(seq 1 "$N"); do
-      TEST_TIMEOUT=$T OUT_NAME="proof-$k" TEST_FILES="$PROOF_FILES" TEST_SELECT="" PYTEST_ARGS="--proof --shard $k/$N" \
+      TEST_TIMEOUT=$T OUT_NAME="proof-$k" TEST_FILES="$PROOF_FILES" TEST_SELECT="${PROOF_SELECT:-}" PYTEST_ARGS="--proof --shard $k/$N" \
         EVIDENCE_OUT="$S/evidence-$k.json" SPECCOMPAT_ARCH_EVIDENCE_OUT="$S/architectures-$k.json" \
         SPECCOMPAT_TEST_TIMES_OUT="$S/times-$k.json" SPECCOMPAT_ENGINE_STARTS_OUT="$S/starts-$k.json" \
         SPECCOMPAT_POOL_MAX_ALIVE=1 SPECCOMPAT_TEST_TORCH_THREADS=2 bash "$0" test v2 1 > /dev/null 2>&1 &
@@ -149,6 +149,8 @@ print('imports ($pass):', round(time.monotonic() - t, 1), 's')" 2>&1 | grep -v W
     wall=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
     python3 -m speccompat.testing.proof merge "$S" --out "$OUT" --wall "$wall" || rc=$?
     for k in $(seq 1 "$N"); do tail -n 3 "$OUT/pytest-v2-tp1-proof-$k.txt"; done
+    # one file for the shards' files, pytest's reports and the engines' logs: few files come back
+    (cd "$OUT" && tar czf proof-files.tgz --remove-files proof-shards pytest-*.txt logs-*.txt)
     echo "proof: $N shards, ${wall} s"
     exit $rc
     ;;

@@ -38,11 +38,11 @@ STARTS: list[tuple] = []
 #: it, and inside the host from its first line to the generator built) and the tests that used it;
 #: written to SPECCOMPAT_ENGINE_STARTS_OUT (a proof's record of why each start was needed).
 START_LOG: list[dict] = []
-#: The plain engine of vLLM's serving-path oracle keeps its engine core in the oracle's process (vLLM's
-#: in-process client): one process starts instead of two, the forward is the same. Not for
-#: speculators' engines, which build their own executor as users run them, nor for the native
-#: extraction's, whose KV connector runs as vLLM's engine core process runs it.
-ORACLE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: Environment of the serving-path oracle's plain engine: none beyond the engines' own. vLLM's
+#: in-process client (VLLM_ENABLE_V1_MULTIPROCESSING=0) saved a process there, but on vLLM 0.34.0 with
+#: CUDA the oracle engine failed for Llama, Qwen3 and DeepseekV3 (Kimi-K2.5 passed); vLLM's default
+#: engine process is what serving runs.
+ORACLE_ENV: dict = {}
 #: Where the transformers references run (SPECCOMPAT_REFERENCE_DEVICE): the CPU, as docs/parity.md's
 #: noise figures were measured; ``cuda`` runs them on the GPU (float32 without TF32).
 REFERENCE_DEVICE = os.environ.get("SPECCOMPAT_REFERENCE_DEVICE") or "cpu"
