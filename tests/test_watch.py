@@ -19,8 +19,9 @@ from fakes import release_facts, write_fake_speculators, write_fake_vllm
 from packaging.version import Version
 from test_new_release import _tree
 
-from speccompat import matrix
 from speccompat import watch as w
+from speccompat.evidence import cli as matrix_cli
+from speccompat.evidence import generate as gen
 from speccompat.registry import by_version, fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,7 +214,7 @@ def test_a_speculators_release_with_the_generator_joins_the_matrix(tmp_path, mon
     assert "0.8.0" not in written["speculators"] and list(written["speculators_outside"]) == ["0.8.0"]
     # scripts/static_check.py merging a later check into the file keeps the record
     assert sc.merge(written, report.doc)["speculators_outside"] == written["speculators_outside"]
-    m = matrix.generate(tmp_path / "evidence", {"sha256": "", "last_change": "2000-01-01", "releases": {}, "runs": {}})
+    m = gen.generate(tmp_path / "evidence", {"sha256": "", "last_change": "2000-01-01", "releases": {}, "runs": {}})
     assert {(r.vllm, r.status) for r in m.rows if r.speculators == "0.4.1"} == {(v, "static") for v in two}
     # and a second watch knows both
     again = w.watch(ev, sc, index=lambda d: listing[d], sources=tmp_path / "sources",
@@ -230,7 +231,7 @@ def test_sources_that_cannot_be_obtained_are_a_clear_exit_2(tmp_path, capsys, mo
         fake_speculators(tmp_path / "specs" / s, s)
     (tmp_path / "sources").mkdir()
     monkeypatch.chdir(repo)
-    code = matrix.main(["--watch", "--index-versions", str(tmp_path / "index.json"), "--sources",
+    code = matrix_cli.main(["--watch", "--index-versions", str(tmp_path / "index.json"), "--sources",
                         str(tmp_path / "sources"), "--speculators-sources", str(tmp_path / "specs"), "--write"])
     err = capsys.readouterr().err
     assert code == 2 and err.strip().splitlines() == [
