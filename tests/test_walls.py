@@ -2,13 +2,14 @@
 
 - the core: ``apply()``, the patches, the adapters and what runs in vLLM's workers
   (``speccompat.evidence.capture_path.HOT_PATH``, ``speccompat/patches/``, ``adapters/``) plus the status report
-  (``report``, ``registry``, ``matrix`` reads ``compat_matrix.yaml`` for it). At module level it
+  (``report``, ``registry``, ``matrix`` reads ``compat_matrix.yaml`` for it) and the static probe
+  (``static_probe``: doctor's fingerprint check against the installed sources). At module level it
   imports the standard library, ``packaging`` and ``wrapt`` only (vLLM, torch and speculators are the
   user's: imported inside functions, when there); it never imports the data product or dev tooling.
 - the data product: ``speccompat/dataset/`` (and ``parallel``, the scale-out of its extraction, and
   ``speccompat/serve/``, the online server): it may use the core, never dev tooling.
-- dev tooling: the test harness (``speccompat.testing``), the static probe, the evidence behind the
-  matrix (``speccompat.evidence``), the release watch and ``demo``: nothing in the core or the data
+- dev tooling: the test harness (``speccompat.testing``), the evidence behind the matrix
+  (``speccompat.evidence``), the release watch and ``demo``: nothing in the core or the data
   product imports them (``python -m speccompat.matrix`` reaches ``speccompat.evidence`` from the
   ``__main__`` block of ``matrix``, which never runs on import).
 
@@ -27,10 +28,11 @@ from speccompat.evidence import capture_path
 from speccompat.testing import layering
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLING = ("speccompat.testing", "speccompat.evidence", "speccompat.static_probe", "speccompat.demo", "speccompat.watch")
+TOOLING = ("speccompat.testing", "speccompat.evidence", "speccompat.demo", "speccompat.watch")
 DATA = ("speccompat.dataset", "speccompat.parallel", "speccompat.serve")
-#: speccompat modules outside HOT_PATH that belong to the core: the status apply() and doctor report
-CORE_EXTRA = ("report", "registry", "matrix")
+#: speccompat modules outside HOT_PATH that belong to the core: the status apply() and doctor report,
+#: and the static probe doctor checks the adapters' fingerprints with
+CORE_EXTRA = ("report", "registry", "matrix", "static_probe")
 #: function-level imports of dev tooling allowed in the core, with the reason
 CORE_EXEMPT: dict[tuple[str, str], str] = {}
 

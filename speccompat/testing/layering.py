@@ -4,7 +4,7 @@
 ``tests/test_docs.py`` checks ``docs/architecture.md``'s picture against it). The wings stand on one
 another in this order - the core (``apply()`` and what runs in vLLM's workers: standard library,
 ``packaging`` and ``wrapt`` at module level), the data product (the data set library, its extraction,
-the online server, the command line), dev tooling (the test harness, the static probe, the evidence
+the online server, the command line), dev tooling (the test harness, the evidence
 behind ``compat_matrix.yaml``, the release watch, the demo) - and each wing's floors are listed
 lowest first. A module may import from its own floor and the floors and wings below it, never from
 above; :data:`UPWARD` lists the arrows that run up anyway, each with its reason.
@@ -27,7 +27,7 @@ WINGS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("foundations", ("speccompat._version", "speccompat.errors", "speccompat.probe", "speccompat.platform",
                          "speccompat.patching", "speccompat.layers", "speccompat.detect", "speccompat.importhooks",
                          "speccompat._state", "speccompat.stand_ins")),
-        ("adapters", ("speccompat.adapter", "speccompat.adapters", "speccompat.registry")),
+        ("adapters", ("speccompat.adapter", "speccompat.adapters", "speccompat.registry", "speccompat.static_probe")),
         ("capture", ("speccompat.transport", "speccompat.capture", "speccompat.streaming", "speccompat.generator")),
         ("patches and status", ("speccompat.patches", "speccompat.report", "speccompat.matrix")),
         ("apply", ("speccompat.api", "speccompat.plugin", "speccompat")),
@@ -40,7 +40,7 @@ WINGS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("command line", ("speccompat.cli", "speccompat.__main__")),
     ],
     "dev": [
-        ("harness and probe", ("speccompat.testing", "speccompat.static_probe")),
+        ("harness", ("speccompat.testing",)),
         ("evidence and release watch", ("speccompat.evidence", "speccompat.watch")),
         ("demo", ("speccompat.demo",)),
     ],
