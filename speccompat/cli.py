@@ -185,6 +185,14 @@ def doctor_report(import_speculators: bool = False, speculators: str | None = No
     ``speculators``: the version of a ``scripts/mkenv.py`` environment to diagnose (default: the
     environment's newest when speculators is not importable otherwise).
     """
+    from speccompat import matrix
+
+    broken = matrix.problem()  # apply() reads the packaged matrix: say what is wrong with it, once
+    if broken is not None:
+        from speccompat import __version__
+
+        return {"speccompat": __version__, "matrix_error": broken, "supported": False,
+                "verdict": f"NOT supported: {broken}"}, EXIT_NOT_SUPPORTED
     chosen = _environment_speculators(speculators)
     import speccompat
     from speccompat.registry import all_adapters, by_version, match_live
@@ -336,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         if as_json:
             json.dump(report, sys.stdout, indent=2, default=str)
             print()
+        elif "matrix_error" in report:
+            print(f"speccompat doctor: {report['matrix_error']}", file=sys.stderr)
         else:
             _print_doctor(report, verbose=getattr(args, "verbose", False))
         return code

@@ -194,22 +194,71 @@ def lookup(speculators: Any, vllm: Any, path: str | None = None) -> Row | None:
     if spec is None or rel is None:
         return None
     key = f'{{"speculators": "{spec}", "vllm": "{rel}",'
-    with open(path or packaged_path(), encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if line.startswith("- " + key):
+    path = path or packaged_path()
+    last = ""
+    for line in _lines(path):
+        line = line.strip()
+        if line.startswith("- " + key):
+            try:
                 d = json.loads(line[2:])
                 return Row(d["speculators"], d["vllm"], d["adapter"], d["status"],
                            tuple(d.get("evidence", ())), d.get("note", ""))
+            except (ValueError, KeyError, TypeError):
+                raise MatrixError(f"{path} is damaged (the row of speculators {spec} with vLLM {rel} does not "
+                                  f"read): reinstall speccompat") from None
+        last = line or last
+    if not last.startswith(LAST_KEY + ":"):  # a file cut short may have lost this row
+        raise MatrixError(f"{path} is truncated (its last line is not the '{LAST_KEY}:' one): reinstall speccompat")
     return None
 
 
+#: The key of the line the generated file ends with: a file without it was cut short.
+LAST_KEY = "architectures"
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readlines()
+    except FileNotFoundError:
+        raise MatrixError(f"{path} is missing: reinstall speccompat") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise MatrixError(f"{path} cannot be read ({exc}): reinstall speccompat") from None
+
+
 def _header(key: str, path: str | None) -> list[str]:
-    with open(path or packaged_path(), encoding="utf-8") as f:
-        for line in f:
-            if line.startswith(f"{key}:"):
-                return json.loads(line.split(":", 1)[1])
-    return []
+    path = path or packaged_path()
+    lines = _lines(path)
+    if not any(line.strip() for line in lines):
+        raise MatrixError(f"{path} is empty: reinstall speccompat")
+    for line in lines:
+        if line.startswith(f"{key}:"):
+            try:
+                value = json.loads(line.split(":", 1)[1])
+            except ValueError:
+                value = None
+            if isinstance(value, list) and value:
+                return [str(v) for v in value]
+            break
+    raise MatrixError(f"{path} has no list of {key}: it is damaged or truncated; reinstall speccompat")
+
+
+def problem(path: str | None = None) -> str | None:
+    """What is wrong with the file (the packaged copy unless ``path`` is given), in one line - missing,
+    unreadable, empty, truncated (it does not end with the ``architectures:`` line the generator
+    writes last) or off the schema - or None when it is whole."""
+    path = path or packaged_path()
+    try:
+        text = "".join(_lines(path))
+        if not text.strip():
+            return f"{path} is empty: reinstall speccompat"
+        last = text.rstrip().rsplit("\n", 1)[-1]
+        if not text.endswith("\n") or not last.startswith(LAST_KEY + ":"):
+            return f"{path} is truncated (its last line is not the '{LAST_KEY}:' one): reinstall speccompat"
+        parse(read(text))
+    except MatrixError as exc:
+        return str(exc) if str(exc).startswith(path) else f"{path}: {exc}"
+    return None
 
 
 def known_releases(path: str | None = None) -> list[str]:

@@ -235,3 +235,22 @@ def test_doctor_bad_usage_is_exit_2(py):
     proc = py("import sys; from speccompat.cli import main; sys.exit(main(['doctor', '--import', '--no-import']))",
               check=False)
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+@pytest.mark.parametrize("damage, says", [("missing", "is missing"), ("empty", "is empty"),
+                                          ("truncated", "is truncated")])
+def test_doctor_names_a_damaged_packaged_matrix_in_one_line(tmp_path, py, damage, says):
+    whole = (Path(__file__).resolve().parent.parent / "compat_matrix.yaml").read_text()
+    path = tmp_path / "compat_matrix.yaml"
+    if damage != "missing":
+        path.write_text("" if damage == "empty" else whole[: len(whole) // 3])
+    run = ("import sys; import speccompat.matrix as m; m.packaged_path = lambda: {path!r}; "
+           "from speccompat.cli import main; sys.exit(main(['doctor'{json}]))")
+    proc = py(run.format(path=str(path), json=""), check=False)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"speccompat doctor: {path} {says}"), proc.stderr
+    assert lines[0].endswith(": reinstall speccompat")
+    proc = py(run.format(path=str(path), json=", '--json'"), check=False)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1 and report["supported"] is False and says in report["matrix_error"]

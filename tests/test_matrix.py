@@ -416,3 +416,28 @@ def test_runs_recorded_under_the_first_hash_scheme_keep_their_verdict(tmp_path):
     assert freshness.is_stale(runs["other.json"], code)
     (root / freshness.HOT_PATH_FILE).write_text(json.dumps(code))
     assert freshness.hot_path_state(root)["translated"] == code["translated"]
+
+
+def test_a_missing_empty_or_truncated_matrix_is_named_in_one_line(tmp_path):
+    whole = (REPO / "compat_matrix.yaml").read_text()
+    path = tmp_path / "compat_matrix.yaml"
+    assert matrix.problem(str(REPO / "compat_matrix.yaml")) is None
+    assert matrix.problem(str(path)) == f"{path} is missing: reinstall speccompat"
+    cases = {"": "is empty", whole[: len(whole) // 2]: "is truncated", whole.splitlines(True)[0]: "is truncated",
+             whole.replace("schema: 1\n", "schema: 2\n"): "expected a mapping with schema: 1"}
+    for text, says in cases.items():
+        path.write_text(text)
+        msg = matrix.problem(str(path))
+        assert msg is not None and msg.startswith(str(path)) and says in msg and "\n" not in msg, (says, msg)
+    # the lookup apply() makes says so too, instead of "no row" (or a traceback of its own)
+    row = next(r for r in matrix.load().rows)
+    path.write_text("".join(whole.splitlines(True)[:12]))  # the header and the first rows
+    with pytest.raises(matrix.MatrixError, match="is truncated"):
+        matrix.lookup("0.0.1", row.vllm, str(path))
+    path.write_text("")
+    with pytest.raises(matrix.MatrixError, match="is empty"):
+        matrix.known_speculators(str(path))
+    path.unlink()
+    with pytest.raises(matrix.MatrixError, match="is missing"):
+        matrix.known_releases(str(path))
+    assert matrix.lookup(row.speculators, row.vllm, str(REPO / "compat_matrix.yaml")) == row

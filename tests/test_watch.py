@@ -239,6 +239,44 @@ def test_sources_that_cannot_be_obtained_are_a_clear_exit_2(tmp_path, capsys, mo
     assert (repo / "evidence/static/releases.json").read_bytes() == EVIDENCE.read_bytes()  # nothing written
 
 
+
+@pytest.mark.parametrize("listing, says", [
+    ({"vllm": "0.35.0", "speculators": ["0.4.0.1"]}, "'vllm' is not a list of strings"),
+    ({"vllm": [0.35], "speculators": 3}, "'vllm', 'speculators' is not a list of strings"),
+    (["vllm"], "expected a JSON object {distribution: [version strings]}"),
+    ("{not json", "not JSON"),
+])
+def test_index_versions_that_are_no_listing_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, listing, says):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    repo = _tree(tmp_path)
+    (tmp_path / "index.json").write_text(listing if isinstance(listing, str) else json.dumps(listing))
+    monkeypatch.chdir(repo)
+    code = matrix_cli.main(["--watch", "--index-versions", str(tmp_path / "index.json"), "--write"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"release watch: {tmp_path / 'index.json'}: "), err
+    assert says in err[0]
+    assert (repo / "evidence/static/releases.json").read_bytes() == EVIDENCE.read_bytes()  # nothing written
+
+
+@pytest.mark.parametrize("releases, says", [
+    ("[]", "expected a JSON object with 'releases' and 'speculators', not a JSON list"),
+    ('{"releases": "0.32.0", "speculators": ["0.4.0.1"]}', "must be lists of version strings"),
+    ('{"releases": [], "speculators": []}', "lists no releases or speculators versions"),
+    ("{", "not JSON"),
+])
+def test_a_releases_json_that_lists_nothing_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, releases, says):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    repo = _tree(tmp_path)
+    (repo / "evidence/static/releases.json").write_text(releases)
+    listing = index([*KNOWN["releases"], NEXT], ["0.32.0"], KNOWN["speculators"])
+    (tmp_path / "index.json").write_text(json.dumps(listing))
+    monkeypatch.chdir(repo)
+    code = matrix_cli.main(["--watch", "--index-versions", str(tmp_path / "index.json"), "--write"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("release watch: evidence/static/releases.json"), err
+    assert says in err[0]
+    assert (repo / "evidence/static/releases.json").read_text() == releases  # left as it was
+
 def test_the_workflow_and_the_documented_recipe_run_the_watch():
     """The scheduled job of this repository and the recipe in docs/release-watch.md are the same
     well-formed job, and it runs the command this file tests."""

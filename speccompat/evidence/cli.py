@@ -50,10 +50,17 @@ def _watch(args: Any) -> int:
     try:
         index = w.index_versions
         if args.index_versions is not None:
-            listing = json.loads(args.index_versions.read_text())
-            if not isinstance(listing, dict):
-                raise w.WatchError(f"{args.index_versions}: expected a JSON object {{distribution: [versions]}}")
+            try:
+                listing = json.loads(args.index_versions.read_text())
+            except ValueError as exc:
+                raise w.WatchError(f"{args.index_versions}: not JSON ({exc})") from None
+            bad = ([] if isinstance(listing, dict) else [None]) or [
+                d for d, v in listing.items() if not isinstance(v, list) or not all(isinstance(x, str) for x in v)]
+            if bad:
+                raise w.WatchError(f"{args.index_versions}: expected a JSON object {{distribution: [version strings]}}"
+                                   + (f"; {', '.join(map(repr, bad))} is not a list of strings" if bad != [None] else ""))
             index = lambda dist: listing.get(dist, [])  # noqa: E731
+        w.read_listed(evidence / "static" / "releases.json")  # before scripts/static_check.py reads it
         sc = w.load_static_check(evidence.resolve().parent)
         report = w.watch(evidence / "static" / "releases.json", sc, index=index, sources=args.sources,
                          wheels=args.wheels, speculators_sources=args.speculators_sources, write=args.write)
