@@ -46,6 +46,11 @@ WINGS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     ],
 }
 
+#: The wings as the picture in docs/architecture.md names them.
+WING_TITLES = {"core": "core: apply() and the workers (packaging + wrapt)",
+               "data": "data product: dataset/, cli, serve",
+               "dev": "dev tooling: testing/, evidence/ (and scripts/, benchmarks/)"}
+
 #: Arrows that run up, with the reason; each must still be a function-level import.
 UPWARD: dict[tuple[str, str], str] = {
     ("speccompat.cli", "speccompat.demo"): "the `demo` command runs the dev tooling's tiny models",
@@ -169,3 +174,33 @@ def circles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return sorted(out)
+
+
+def mermaid() -> str:
+    """The picture of :data:`WINGS` that ``docs/architecture.md`` shows (a test compares the two): one
+    box per wing, its floors bottom-up, an arrow from each wing's lowest floor to the top of the wing
+    below it (it may import all of it) and the upward arrows of :data:`UPWARD`, dotted."""
+    short = {"speccompat": "speccompat/__init__"}
+    lines = ["flowchart BT"]
+    ids: dict[str, str] = {}
+    for wing, fl in WINGS.items():
+        lines.append(f'  subgraph {wing}["{WING_TITLES[wing]}"]')
+        for f, (floor, names) in enumerate(fl):
+            node = f"{wing}{f}"
+            for name in names:
+                ids[name] = node
+            mods = ", ".join(short.get(n, n.removeprefix("speccompat.")) for n in names)
+            lines.append(f'    {node}["{floor}: {mods}"]')
+        lines += [f"    {wing}{f} --> {wing}{f - 1}" for f in range(len(fl) - 1, 0, -1)]
+        lines.append("  end")
+    wings = list(WINGS)
+    lines += [f"  {upper}0 --> {lower}{len(WINGS[lower]) - 1}" for lower, upper in zip(wings[:-1], wings[1:], strict=True)]
+    lines += [f"  {ids[_declared(src)]} -.-> {ids[_declared(dst)]}" for src, dst in UPWARD]
+    return "\n".join(lines)
+
+
+def _declared(module: str) -> str:
+    """The declared name of :data:`WINGS` that covers ``module``."""
+    i = floor_of(module)
+    names = floors()[i][2] if i is not None else ()
+    return max((n for n in names if module == n or module.startswith(n + ".")), key=len)
