@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def code(vllm: str | None) -> dict:
-    """What a result records of the code it ran (:func:`speccompat.matrix.code_record`): the capture
+    """What a result records of the code it ran (:func:`speccompat.evidence.capture_path.code_record`): the capture
     path's hash, with ``vllm`` that release's own capture path (what ``benchmarks/report.py`` compares
     with today's to say whether a figure is current), and the commit where this is a git checkout."""
     import sys
@@ -17,12 +17,12 @@ def code(vllm: str | None) -> dict:
     sys.path.insert(0, str(REPO))
     from packaging.version import InvalidVersion, Version
 
-    from speccompat import matrix
+    from speccompat.evidence import capture_path
 
     try:
-        return matrix.code_record(REPO, Version(vllm).base_version if vllm else None)
+        return capture_path.code_record(REPO, Version(vllm).base_version if vllm else None)
     except (InvalidVersion, RuntimeError, KeyError, ValueError):  # a release no adapter knows: the core alone
-        return matrix.code_record(REPO)
+        return capture_path.code_record(REPO)
 
 
 def write(doc: dict, out: str | None, *, echo: bool = True) -> str:

@@ -141,13 +141,13 @@ SWEEP = "throughput-cpu.json"
 
 def capture_path_now(versions: list[str]) -> tuple[str, dict[str, str], dict]:
     """Today's capture path: its hash, each release's, and the stored record that maps what results
-    files recorded to today's hashes (``evidence/hot_path.json``; :mod:`speccompat.matrix`)."""
+    files recorded to today's hashes (``evidence/hot_path.json``; :mod:`speccompat.evidence`)."""
     sys.path.insert(0, str(REPO))
-    from speccompat import matrix
+    from speccompat.evidence import capture_path, freshness
 
-    releases = matrix.release_capture_paths(REPO, versions) if versions else {}
-    stored = json.loads((REPO / matrix.HOT_PATH_FILE).read_text())
-    return matrix.hot_path_sha256(REPO), {v: r["sha256"] for v, r in releases.items()}, stored
+    releases = capture_path.release_capture_paths(REPO, versions) if versions else {}
+    stored = json.loads((REPO / freshness.HOT_PATH_FILE).read_text())
+    return capture_path.hot_path_sha256(REPO), {v: r["sha256"] for v, r in releases.items()}, stored
 
 
 def release(doc: dict) -> str | None:
@@ -167,12 +167,12 @@ def code_state(doc: dict, now: tuple[str, dict[str, str]]) -> str:
     code = doc.get("code") or {}
     if code.get("hot_path_modified"):
         return "uncommitted code"
-    from speccompat import matrix
+    from speccompat.evidence import freshness
 
     hot, releases, stored = now
     rel = release(doc)
     # what the file recorded, as today's hashes read that code (as the matrix judges evidence)
-    mine = matrix.run_release_sha256({"vllm": rel, "code": code}, stored)
+    mine = freshness.run_release_sha256({"vllm": rel, "code": code}, stored)
     if mine and rel in releases:
         return "current" if mine == releases[rel] else "changed since"
     if code.get("hot_path_sha256"):

@@ -45,8 +45,8 @@ Modes:
              (one safetensors file per sample, checksums, manifest, fsync) in --driver-dir,
              --driver-batch sequences per generate() call (and --driver-batches), each workload one
              job (one data set); the timed part starts with reading and checking the
-             prepared input (a JSONL file written before the clock starts, as `speccompat prepare`
-             leaves it) and ends when the last file is durable.
+             prepared input (the tokenized JSONL `speccompat extract --prepared-data` reads, written
+             before the clock starts) and ends when the last file is durable.
              driver-disk: the same into --disk-dir, next to that disk's own fsync'd sequential
              write bandwidth measured in the same run (disk_write_gbps: one stream, as dd) and the
              disk's rate for the driver's own pattern (disk_parallel_write_gbps: --writer-threads
@@ -466,9 +466,10 @@ def disk_probe_after(args: argparse.Namespace, mode: str, stats: dict, *, drop_c
     """The disk's rate for the driver's pattern right after a disk workload, untimed, while the engine
     is idle: the anchor of the same minute, writing as much as the pass wrote (half the free space at
     most), so that it is held to the same sustained volume. The probe before the modes is taken on a
-    disk that has not yet absorbed the run's writes, and writes 4 GiB: on the H200 host, in run 4
-    of benchmarks/NOTES.md, the passes wrote 1.28-1.35 GB/s while 4 GiB probes after each of them
-    gave 1.61-1.82. Each file's pages are dropped from the page cache after its fsync when the pass's
+    disk that has not yet absorbed the run's writes, and writes 4 GiB: on the H200 host (run 4 of
+    "The driver to disk with a probe after each pass", in the benchmark notes of commit 2f307d0:
+    ``git show 2f307d0:benchmarks/NOTES.md``) the passes wrote 1.28-1.35 GB/s while 4 GiB probes after
+    each of them gave 1.61-1.82. Each file's pages are dropped from the page cache after its fsync when the pass's
     writer dropped them (``drop_cache``), so that the probe has the pass's own pattern. The fields for
     the pass's results (none for other modes)."""
     if not mode.endswith("-disk") or not stats.get("files"):
@@ -483,7 +484,8 @@ def disk_probe_after(args: argparse.Namespace, mode: str, stats: dict, *, drop_c
 def probe_bytes(written: int, most: int = 4 << 30) -> int:
     """What a parallel disk probe writes for passes of ``written`` bytes: as much, 256 MiB to
     ``most``. The probe before the modes keeps to 4 GiB (short beside the timed passes; on a fresh
-    H200 host the disk kept its rate from 4.3 to 17 GB, benchmarks/NOTES.md)."""
+    H200 host the disk kept its rate from 4.3 to 17 GB: "The disk at the driver's volume" in
+    ``git show 2f307d0:benchmarks/NOTES.md``)."""
     return max(256 << 20, min(most, written))
 
 
@@ -520,7 +522,8 @@ def settle() -> float:
     """``sync()``, timed: whatever deleting a data set leaves to the file system is done here,
     outside any clock, rather than inside the next measurement (a disk mounted with ``discard``,
     as the H200 host's root is, discards freed blocks at its next journal commit). On the H200
-    host it took 1-3 ms after each deleted data set (benchmarks/NOTES.md)."""
+    host it took 1-3 ms after each deleted data set ("The writer's parts measured apart" in
+    ``git show 2f307d0:benchmarks/NOTES.md``)."""
     t0 = time.perf_counter()
     os.sync()
     return round(time.perf_counter() - t0, 3)
@@ -664,8 +667,8 @@ def driver_extractor(args: argparse.Namespace, mode: str, gen):
     counter = itertools.count()
 
     def prepare(batch):
-        """The job's input, tokenized as ``speccompat prepare`` writes it: it exists before the job
-        starts, so it is written before the clock starts (its seconds are reported beside)."""
+        """The job's input, the tokenized JSONL ``speccompat extract --prepared-data`` reads: it exists
+        before the job starts, so it is written before the clock starts (its seconds are reported beside)."""
         t0 = time.perf_counter()
         data = Path(tempfile.mkstemp(prefix="in-", suffix=".jsonl", dir=root)[1])
         data.write_text("".join(json.dumps({"id": f"s{i}", "input_ids": s}) + "\n" for i, s in enumerate(batch)))

@@ -2,7 +2,7 @@
 """Nightly canary: does the installed vLLM (typically a nightly) still work with speccompat?
 
 Runs, in the current environment (vLLM + speculators installed, speccompat installed):
-  1. ``speccompat doctor --json`` (versions, live fingerprint probe of every adapter, patches);
+  1. ``speccompat doctor --json --import`` (versions, live fingerprint probe of every adapter, patches);
   2. the real-engine parity tests for Llama (both speculators lines), or ``--tests`` given;
 and, when everything passed, records the vLLM build as the last known good one:
 
@@ -88,8 +88,9 @@ def main() -> int:
     note = matrix_note(build["version"])
     if note:
         print(note)
-    doctor = subprocess.run([sys.executable, "-m", "speccompat", "doctor", "--json"], capture_output=True, text=True,
-                            env=env)
+    # --import: the live check (speculators imported, patches applied), whose state and probe follow
+    doctor = subprocess.run([sys.executable, "-m", "speccompat", "doctor", "--json", "--import"], capture_output=True,
+                            text=True, env=env)
     Path(args.report).write_text(doctor.stdout or doctor.stderr)
     report = json.loads(doctor.stdout) if doctor.stdout.strip().startswith("{") else {}
     status = report.get("status", {})

@@ -97,6 +97,10 @@ def _environment_speculators(version: str | None) -> str | None:
     return use_speculators(version)
 
 
+#: doctor's exit codes (``speccompat doctor --help`` and the README list them)
+EXIT_SUPPORTED, EXIT_NOT_SUPPORTED, EXIT_USAGE, EXIT_UNVERIFIED = 0, 1, 2, 3
+
+
 def _verdict(report: dict[str, Any], status: Any, import_speculators: bool) -> tuple[str, int]:
     """The verdict and exit code, claiming only what was checked here."""
     from speccompat.matrix import known_releases
@@ -124,28 +128,71 @@ def _verdict(report: dict[str, Any], status: Any, import_speculators: bool) -> t
         else:
             problems.append(f"vLLM {status.vllm.get('raw')} drifted from adapter {adapter}: {fp[adapter][0]}")
     if not import_speculators and not problems:
-        report["note"] = ("--no-import: speculators was not imported, so its patches were not applied here; "
-                          "the verdict rests on the live fingerprint probe")
+        report["note"] = ("static check: neither vLLM nor speculators was imported, so speculators' patches were "
+                          "not applied here; the verdict rests on the adapter's fingerprint against the installed "
+                          "vLLM sources (--import checks it live)")
     report["adapter_probed"] = adapter
     if problems:
-        return "NOT supported: " + "; ".join(problems), 1
+        return "NOT supported: " + "; ".join(problems), EXIT_NOT_SUPPORTED
     if cell == "supported":
-        return "supported: an end-to-end parity run of this exact combination is on record", 0
+        return "supported: an end-to-end parity run of this exact combination is on record", EXIT_SUPPORTED
     if cell == "stale":
         return ("stale: an end-to-end parity run of this combination is on record, but it ran older "
-                "capture code than this speccompat's"), 3
+                "capture code than this speccompat's"), EXIT_UNVERIFIED
     if cell == "static":
         return ("static only: the adapter's fingerprint matches this vLLM, but no end-to-end "
-                "run of this combination is on record"), 3
-    return f"unverified: no compat_matrix.yaml row; the live probe matched adapter {adapter}", 3
+                "run of this combination is on record"), EXIT_UNVERIFIED
+    how = "live" if report.get("probe") == "live" else "static"
+    return f"unverified: no compat_matrix.yaml row; the {how} probe matched adapter {adapter}", EXIT_UNVERIFIED
 
 
-def doctor_report(import_speculators: bool = True, speculators: str | None = None) -> tuple[dict[str, Any], int]:
-    """Everything ``doctor`` prints, as a dict, and the exit code (0 = supported combination).
+def _vllm_sources() -> str | None:
+    """The folder holding the installed ``vllm`` package, found without importing it (None: none)."""
+    import importlib.util
 
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if spec.origin and spec.origin.endswith("__init__.py"):
+        return os.path.dirname(os.path.dirname(spec.origin))
+    locations = list(spec.submodule_search_locations or ())
+    return os.path.dirname(locations[0]) if locations else None
+
+
+def _static_fingerprints() -> dict[str, list[str]]:
+    """Each adapter's fingerprint against the installed vLLM's sources, read with ``ast``
+    (:mod:`speccompat.static_probe`): adapter name -> mismatches (empty = match)."""
+    from speccompat.registry import all_adapters, fingerprint
+    from speccompat.static_probe import check_static
+
+    root = _vllm_sources()
+    if root is None:
+        raise ImportError("vLLM is not installed")
+    return {a.name(): [str(m) for m in check_static(fingerprint(a).values(), root)] for a in all_adapters()}
+
+
+def doctor_report(import_speculators: bool = False, speculators: str | None = None) -> tuple[dict[str, Any], int]:
+    """Everything ``doctor`` prints, as a dict, and the exit code (:data:`EXIT_SUPPORTED` 0 = a
+    supported combination, :data:`EXIT_NOT_SUPPORTED` 1, :data:`EXIT_UNVERIFIED` 3 = it matches an
+    adapter but no end-to-end run of this capture code is on record: a stale, static or missing row).
+
+    ``import_speculators`` (``--import``): import speculators' modules, which imports vLLM and applies
+    the patches, and probe every adapter's fingerprint live; by default neither is imported and the
+    fingerprints are checked against the installed vLLM's sources (``probe: "static"``).
     ``speculators``: the version of a ``scripts/mkenv.py`` environment to diagnose (default: the
     environment's newest when speculators is not importable otherwise).
     """
+    from speccompat import matrix
+
+    broken = matrix.problem()  # apply() reads the packaged matrix: say what is wrong with it, once
+    if broken is not None:
+        from speccompat import __version__
+
+        return {"speccompat": __version__, "matrix_error": broken, "supported": False,
+                "verdict": f"NOT supported: {broken}"}, EXIT_NOT_SUPPORTED
     chosen = _environment_speculators(speculators)
     import speccompat
     from speccompat.registry import all_adapters, by_version, match_live
@@ -175,10 +222,15 @@ def doctor_report(import_speculators: bool = True, speculators: str | None = Non
     report["status_text"] = str(status)
     vllm_version = status.vllm.get("raw")
     if vllm_version:
+        report["probe"] = "live" if import_speculators else "static"
         try:
-            fp = match_live()
-            report["fingerprints"] = {name: [str(m) for m in mm] for name, mm in fp.items()}
-        except Exception as exc:  # noqa: BLE001 - vLLM itself may fail to import
+            if import_speculators:
+                fp = match_live()
+                report["fingerprints"] = {name: [str(m) for m in mm] for name, mm in fp.items()}
+            else:
+                report["fingerprints"] = _static_fingerprints()
+                report["vllm_sources"] = _vllm_sources()
+        except Exception as exc:  # noqa: BLE001 - vLLM itself may fail to import, its sources to parse
             report["fingerprints_error"] = f"{type(exc).__name__}: {exc}"
         from packaging.version import Version
 
@@ -191,7 +243,7 @@ def doctor_report(import_speculators: bool = True, speculators: str | None = Non
     return report, code
 
 
-def _print_doctor(report: dict[str, Any]) -> None:
+def _print_doctor(report: dict[str, Any], verbose: bool = False) -> None:
     p = report["packages"]
     print(f"speccompat {report['speccompat']}  (python {report['python']}, {report['os']})")
     print("packages:")
@@ -216,9 +268,16 @@ def _print_doctor(report: dict[str, Any]) -> None:
     for err in report.get("import_errors", []):
         print(f"  import error: {err}")
     if "fingerprints" in report:
-        print("fingerprints (live probe of every adapter):")
-        for name, mm in report["fingerprints"].items():
-            print(f"  {name:<12} {'matches' if not mm else f'{len(mm)} mismatch(es), e.g. ' + mm[0]}")
+        how = ("live probe of the imported vLLM" if report.get("probe") == "live"
+               else f"static probe of the vLLM sources in {report.get('vllm_sources')}")
+        mine = report.get("adapter_probed")
+        shown = report["fingerprints"] if verbose else {k: v for k, v in report["fingerprints"].items() if k == mine}
+        print(f"fingerprint ({how}" + ("; every adapter" if verbose else "; the adapter of this release, "
+                                       "--verbose: every adapter") + "):")
+        for name, mm in shown.items():
+            print(f"  {name:<12} " + ("matches" if not mm else f"{len(mm)} mismatch(es):"))
+            for m in mm if (name == mine or len(mm) == 1) else mm[:1]:
+                print(f"    {m}")
     elif "fingerprints_error" in report:
         print(f"fingerprints: cannot probe vLLM: {report['fingerprints_error']}")
     if report.get("env"):
@@ -248,9 +307,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("serve", help="serve hidden states to speculators >= 0.9's online clients (speccompat serve --help; "
                    "exit 0 stopped by a signal, 1 engine failed, 2 refused)")
     d = sub.add_parser("doctor", help="diagnose the installed speculators/vLLM combination "
-                       "(exit 0 supported, 3 works but not run end to end, 1 not supported)")
-    d.add_argument("--json", action="store_true", help="print the report as JSON")
-    d.add_argument("--no-import", action="store_true", help="do not import speculators (faster, fewer checks)")
+                       "(exit 0 supported, 1 not supported, 2 bad usage, 3 it matches an adapter but no "
+                       "end-to-end run of this capture code is on record: a stale, static or missing row)")
+    d.add_argument("--json", action="store_true", help="print the report as JSON (same exit codes)")
+    live = d.add_mutually_exclusive_group()
+    live.add_argument("--import", dest="live", action="store_true",
+                      help="import speculators (and so vLLM), apply the patches and probe every adapter live "
+                           "(slower: vLLM's import); default: check the adapter's fingerprint against the "
+                           "installed vLLM sources without importing either")
+    live.add_argument("--no-import", action="store_true", help="the default (kept for scripts that pass it)")
+    d.add_argument("-v", "--verbose", action="store_true", help="also print every other adapter's fingerprint")
     d.add_argument("--speculators", help="speculators version of a scripts/mkenv.py environment (default: its "
                    "newest, when speculators is not importable otherwise)")
     demo = sub.add_parser("demo", help="make a tiny model and extract its hidden states through speculators")
@@ -273,13 +339,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd in (None, "doctor"):
         as_json = getattr(args, "json", False)
-        report, code = doctor_report(import_speculators=not getattr(args, "no_import", False),
+        report, code = doctor_report(import_speculators=getattr(args, "live", False),
                                      speculators=getattr(args, "speculators", None))
         if as_json:
             json.dump(report, sys.stdout, indent=2, default=str)
             print()
+        elif "matrix_error" in report:
+            print(f"speccompat doctor: {report['matrix_error']}", file=sys.stderr)
         else:
-            _print_doctor(report)
+            _print_doctor(report, verbose=getattr(args, "verbose", False))
         return code
     if args.cmd == "demo":
         from .demo import run_demo

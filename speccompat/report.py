@@ -54,7 +54,9 @@ class Status:
         lines += [f"    mismatch: {m}" for m in self.mismatches]
         if self.matrix_row:
             r = self.matrix_row
-            ev = ", ".join(f"{e['kind']} {e['date']}" for e in r.get("evidence", []))
+            # a run of older capture code says so, as compat_matrix.yaml and the README table do
+            ev = ", ".join(f"{e['kind']} {e['date']}" + (" stale" if str(e.get("stale")).lower() == "true" else "")
+                           for e in r.get("evidence", []))
             lines.append(f"  matrix row  {r['speculators']} x vLLM {r['vllm']}: {r['status']} [{ev}]")
         else:
             lines.append("  matrix row  none")

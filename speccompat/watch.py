@@ -207,6 +207,26 @@ class WatchReport:
         return list((self.merged or {}).get("speculators") or [*self.known_speculators, *self.speculators])
 
 
+def read_listed(evidence_file: Path) -> dict[str, Any]:
+    """``evidence/static/releases.json`` as data, checked: a JSON object whose ``releases`` and
+    ``speculators`` are non-empty lists of version strings; anything else is a :class:`WatchError`
+    naming the file."""
+    evidence_file = Path(evidence_file)
+    try:
+        old = json.loads(evidence_file.read_text()) if evidence_file.is_file() else {}
+    except ValueError as exc:
+        raise WatchError(f"{evidence_file}: not JSON ({exc})") from None
+    if not isinstance(old, dict):
+        raise WatchError(f"{evidence_file}: expected a JSON object with 'releases' and 'speculators', "
+                         f"not a JSON {type(old).__name__}")
+    known, specs = old.get("releases", []), old.get("speculators", [])
+    if not all(isinstance(x, list) and all(isinstance(v, str) for v in x) for x in (known, specs)):
+        raise WatchError(f"{evidence_file}: 'releases' and 'speculators' must be lists of version strings")
+    if not known or not specs:
+        raise WatchError(f"{evidence_file} lists no releases or speculators versions to compare with")
+    return old
+
+
 def watch(evidence_file: Path, static_check: Any, *, index: Callable[[str], list[str]] = index_versions,
           sources: Path | None = None, wheels: Path | None = None, speculators_sources: Path | None = None,
           write: bool = False) -> WatchReport:
@@ -217,10 +237,8 @@ def watch(evidence_file: Path, static_check: Any, *, index: Callable[[str], list
     from .detect import VLLM_DISTRIBUTIONS
 
     evidence_file = Path(evidence_file)
-    old = json.loads(evidence_file.read_text()) if evidence_file.is_file() else {}
-    known, specs = list(old.get("releases", [])), list(old.get("speculators", []))
-    if not known or not specs:
-        raise WatchError(f"{evidence_file} lists no releases or speculators versions to compare with")
+    old = read_listed(evidence_file)
+    known, specs = list(old["releases"]), list(old["speculators"])
     listing = {}
     for dist in (*VLLM_DISTRIBUTIONS, SPECULATORS):
         listing[dist] = list(index(dist))

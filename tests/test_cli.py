@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ENGINE_ENV
@@ -89,8 +90,8 @@ def test_doctor_json_without_anything(tmp_path, py):
 @pytest.mark.engine
 def test_doctor_on_a_real_vllm_is_supported_and_lists_patches():
     env = {**os.environ, "PYTHONPATH": ENGINE_ENV["speculators"]["0.4.0.1"]}
-    proc = subprocess.run([sys.executable, "-m", "speccompat", "doctor", "--json"], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "speccompat", "doctor", "--json", "--import"], capture_output=True,
+                          text=True, env=env, timeout=600)
     report = json.loads(proc.stdout)
     st = report["status"]
     assert proc.returncode == proven(report), proc.stdout + proc.stderr
@@ -119,17 +120,18 @@ def _doctor(py, path, *args, prefix, env=None):
     return proc.returncode, json.loads(proc.stdout)
 
 
-@pytest.mark.parametrize("no_import", [True, False])
-def test_doctor_verdict_rests_on_the_probe_and_a_drifted_vllm_fails(tmp_path, py, no_import):
+@pytest.mark.parametrize("args", [[], ["--no-import"], ["--import"]])
+def test_doctor_verdict_rests_on_the_probe_and_a_drifted_vllm_fails(tmp_path, py, args):
     good, bad = tmp_path / "good", tmp_path / "bad"
     for root, drop in ((good, ()), (bad, ("vllm.v1.request:Request",))):
         root.mkdir()
         write_fake_vllm(root, [s for s in release_facts("0.32.0") if s.path not in drop], version="0.32.0")
         write_fake_speculators(root, "0.4.0.1")
-    args = ["--no-import"] if no_import else []
+    no_import = args != ["--import"]  # the static check is the default
     code, report = _doctor(py, [good], *args, prefix=tmp_path)
     assert code == proven(report) and report["adapter_probed"] == "vllm_0_29_0"
-    assert ("note" in report) == no_import
+    assert ("note" in report) == no_import and report["probe"] == ("static" if no_import else "live")
+    assert report["fingerprints"]["vllm_0_29_0"] == [] and len(report["fingerprints"]) == len(report["adapters"])
     code, report = _doctor(py, [bad], *args, prefix=tmp_path)
     assert code == 1 and report["supported"] is False
     if no_import:  # speculators not imported: only the fingerprint probe can tell, and it does
@@ -166,10 +168,89 @@ def test_doctor_uses_the_speculators_of_a_mkenv_environment(tmp_path, py):
 @pytest.mark.engine
 def test_doctor_in_a_mkenv_environment_needs_no_pythonpath():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-m", "speccompat", "doctor", "--json"], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "speccompat", "doctor", "--json", "--import"], capture_output=True,
+                          text=True, env=env, timeout=600)
     report = json.loads(proc.stdout)
     assert proc.returncode == proven(report), proc.stdout[-2000:] + proc.stderr[-2000:]
     newest = max(ENGINE_ENV["speculators"], key=lambda v: tuple(map(int, v.split("."))))
     assert report["speculators_from_environment"] == newest
     assert report["status"]["state"] == "active" and report["status"]["speculators"]["raw"] == newest
+
+
+def test_the_default_doctor_imports_neither_vllm_nor_speculators(tmp_path, py):
+    write_fake_vllm(tmp_path, release_facts("0.32.0"), version="0.32.0")
+    write_fake_speculators(tmp_path, "0.4.0.1")
+    code = (NO_ENV.format(prefix=str(tmp_path)) + "from speccompat.cli import main; c = main(['doctor', '--json']); "
+            "print('imported:', sorted(m for m in ('vllm', 'speculators') if m in sys.modules), file=sys.stderr); "
+            "sys.exit(c)")
+    proc = py(code, path=[tmp_path], check=False)
+    assert "imported: []" in proc.stderr
+    report = json.loads(proc.stdout)
+    assert proc.returncode == proven(report) and report["vllm_sources"] == str(tmp_path)
+    proc = py(code.replace("'--json'", "'--json', '--import'"), path=[tmp_path], check=False)
+    assert "imported: ['speculators', 'vllm']" in proc.stderr
+
+
+def test_doctor_prints_the_release_s_adapter_and_the_others_under_verbose(tmp_path, py):
+    write_fake_vllm(tmp_path, release_facts("0.32.0"), version="0.32.0")
+    write_fake_speculators(tmp_path, "0.4.0.1")
+    run = NO_ENV.format(prefix=str(tmp_path)) + "from speccompat.cli import main; sys.exit(main(['doctor'{}]))"
+    text = py(run.format(""), path=[tmp_path], check=False).stdout
+    code, report = _doctor(py, [tmp_path], prefix=tmp_path)
+    others = [name for name in report["fingerprints"] if name != "vllm_0_29_0"]
+    assert len(others) >= 5 and all(report["fingerprints"][name] for name in others)  # they do not match 0.32.0
+    assert "  vllm_0_29_0  matches" in text
+    assert [name for name in others if f"  {name} " in text] == []
+    verbose = py(run.format(", '--verbose'"), path=[tmp_path], check=False).stdout
+    assert "  vllm_0_29_0  matches" in verbose
+    assert [name for name in others if f"  {name:<12} {len(report['fingerprints'][name])} mismatch(es):" not in verbose] == []
+
+
+def test_doctor_shows_the_stale_marks_of_the_matrix_row(tmp_path, py):
+    write_fake_vllm(tmp_path, release_facts("0.32.0"), version="0.32.0")
+    write_fake_speculators(tmp_path, "0.4.0.1")
+    code, report = _doctor(py, [tmp_path], prefix=tmp_path)
+    evidence = report["status"]["matrix_row"]["evidence"]
+    text = py(NO_ENV.format(prefix=str(tmp_path)) + "from speccompat.cli import main; sys.exit(main(['doctor']))",
+              path=[tmp_path], check=False).stdout
+    row = next(line for line in text.splitlines() if line.startswith("  matrix row"))
+    items = row.split("[", 1)[1].rstrip("]").split(", ")
+    assert items == [f"{e['kind']} {e['date']}" + (" stale" if e.get("stale") == "true" else "") for e in evidence]
+    assert (report["status"]["matrix_row"]["status"] == "stale") == all(i.endswith(" stale") for i in items
+                                                                       if "e2e" in i)
+
+
+def test_doctor_s_exit_codes_are_the_documented_ones():
+    from speccompat import cli
+
+    assert (cli.EXIT_SUPPORTED, cli.EXIT_NOT_SUPPORTED, cli.EXIT_USAGE, cli.EXIT_UNVERIFIED) == (0, 1, 2, 3)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    line = " ".join(readme.split("**In a training repository's CI**", 1)[1].split("\n\n", 1)[0].split())
+    for said in ("exits 0 when the installed combination is supported", "1 when it is not",
+                 "3 when it matches an adapter but no end-to-end run of this capture code is on record"):
+        assert said in line, line
+
+
+def test_doctor_bad_usage_is_exit_2(py):
+    proc = py("import sys; from speccompat.cli import main; sys.exit(main(['doctor', '--import', '--no-import']))",
+              check=False)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+@pytest.mark.parametrize("damage, says", [("missing", "is missing"), ("empty", "is empty"),
+                                          ("truncated", "is truncated")])
+def test_doctor_names_a_damaged_packaged_matrix_in_one_line(tmp_path, py, damage, says):
+    whole = (Path(__file__).resolve().parent.parent / "compat_matrix.yaml").read_text()
+    path = tmp_path / "compat_matrix.yaml"
+    if damage != "missing":
+        path.write_text("" if damage == "empty" else whole[: len(whole) // 3])
+    run = ("import sys; import speccompat.matrix as m; m.packaged_path = lambda: {path!r}; "
+           "from speccompat.cli import main; sys.exit(main(['doctor'{json}]))")
+    proc = py(run.format(path=str(path), json=""), check=False)
+    assert proc.returncode == 1 and proc.stdout == "", proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"speccompat doctor: {path} {says}"), proc.stderr
+    assert lines[0].endswith(": reinstall speccompat")
+    proc = py(run.format(path=str(path), json=", '--json'"), check=False)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1 and report["supported"] is False and says in report["matrix_error"]

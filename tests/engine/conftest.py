@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import ENGINE_ENV, NO_APPLY, pool_key
 
-from speccompat.matrix import code_record, known_speculators
+from speccompat.evidence.capture_path import code_record
+from speccompat.matrix import known_speculators
 
 #: The speculators versions the matrix speaks about (the one list, from the static evidence).
 SPECULATORS = tuple(known_speculators())
@@ -265,7 +266,7 @@ def pytest_terminal_summary(terminalreporter):
 
 EVIDENCE: list[dict] = []
 #: The code the engines run (read at the start: what this session's engines loaded), with the
-#: capture path of the engine env's vLLM release (speccompat.matrix.release_capture_path).
+#: capture path of the engine env's vLLM release (speccompat.evidence.capture_path.release_capture_path).
 CODE = code_record(Path(__file__).resolve().parents[2], ENGINE_ENV["vllm"] if ENGINE_ENV is not None else None)
 
 
