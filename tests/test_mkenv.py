@@ -228,7 +228,10 @@ def test_kept_pins_what_the_environment_has_installed(mkenv):
             want[name] = md.version(name)
         except md.PackageNotFoundError:
             pass
-    assert pins == want and "torch" in pins  # this environment runs torch
+    assert pins == want
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed here (the torch-free unit run): its pin cannot be shown")
+    assert "torch" in pins  # this environment runs torch
 
 
 def test_a_requirement_added_to_the_extras_later_is_found_missing(mkenv):
