@@ -525,7 +525,7 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
             ds.finish(args.token_freq_path)
         logger.info("nothing to do: every sample%s has an intact file in %s",
                     f" of shard {shard.index} of {shard.num_shards}" if shard.num_shards > 1 else "", args.output_dir)
-        print(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
+        print_result(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
         return EXIT_OK
 
     t0 = time.monotonic()
@@ -593,8 +593,10 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
         if bar is not None:
             bar.close()
         stats = writer.close(raise_error=False)
+        loop_end = time.monotonic()  # the extraction ends with the last file written, before the shutdown
         stop_generator(gen)
-    loop_s = max(time.monotonic() - loop_start, 1e-9)
+        shutdown_s = time.monotonic() - loop_end
+    loop_s = max(loop_end - loop_start, 1e-9)
     for sample, why in writer.failed:
         failed.append(f"line {sample.line} id {sample.id!r}: {why}")
     if code == EXIT_OK and shard.num_shards > 1:
@@ -612,9 +614,9 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
     stopped = max(0, unfinished - len(failed))
     logger.info("summary: %d written, %d already done (skipped), %d failed (%d rejected by the engine or the writer, "
                 "%d not extracted: the run stopped); %d tokens in %.1f s (engine start %.1f s, extraction %.1f s: "
-                "%.0f tokens/s); %s written to %s (engine waited %.2f s for the writer)",
+                "%.0f tokens/s, engine shutdown %.1f s); %s written to %s (engine waited %.2f s for the writer)",
                 stats.files, ds.done, unfinished, len(failed), stopped, tokens, time.monotonic() - started, engine_s,
-                loop_s, tokens / loop_s, human(stats.bytes), args.output_dir, stats.waited_s)
+                loop_s, tokens / loop_s, shutdown_s, human(stats.bytes), args.output_dir, stats.waited_s)
     if failed:
         for line in failed[:20]:
             logger.error("failed: %s", line)
@@ -622,7 +624,7 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
                      "the writer could not store fails the same way: fix or drop its input line)", len(failed))
         return EXIT_FAILED if code == EXIT_OK else code
     if code == EXIT_OK:
-        print(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
+        print_result(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
     return code
 
 
@@ -636,6 +638,44 @@ def _progress_bar(args: ExtractConfig, todo: list[Any]) -> Any:
         return None
     return tqdm(total=sum(s.num_tokens for s in todo), unit="tok", unit_scale=True, desc="extract",
                 dynamic_ncols=True)
+
+
+#: where the command's result (the trainer's flags) goes while :func:`logs_to_stderr` holds: the
+#: process's stdout, whose file descriptor then leads to stderr for everything else
+_result_stream: Any = None
+
+
+def print_result(text: str) -> None:
+    """The command's result, on stdout (the log, vLLM's and its workers' included, is on stderr)."""
+    print(text, file=_result_stream or sys.stdout, flush=True)
+
+
+@contextlib.contextmanager
+def logs_to_stderr() -> Any:
+    """Keep stdout for :func:`print_result`: vLLM logs to stdout (``VLLM_LOGGING_STREAM``, set to
+    stderr here unless given) and its workers inherit the file descriptor, so descriptor 1 leads to
+    stderr for the run and the result is written to the original stdout."""
+    global _result_stream
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream of Python's own (captured): nothing to move
+        fd = None
+    if fd != 1 or _result_stream is not None:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    _result_stream = os.fdopen(saved, "w", closefd=False)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        _result_stream.close()
+        _result_stream = None
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def use_spawn() -> None:
@@ -673,7 +713,8 @@ def main(argv: list[str] | None = None, *, script: Path | None = None, prog: str
     from speccompat.dataset import DatasetError
 
     try:
-        return extract(cfg)
+        with logs_to_stderr():
+            return extract(cfg)
     except Rejected as exc:
         logger.error("%s", exc)
         return EXIT_REJECTED
