@@ -87,13 +87,15 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
 def _environment_speculators(version: str | None) -> str | None:
     """In an environment built by ``scripts/mkenv.py`` (``sys.prefix/speccompat-env.json``), put
     its speculators ``version`` on the path (workers too) - by default the newest, and only when
-    no speculators is importable otherwise. Returns the version chosen, or None."""
+    no speculators is importable otherwise. Returns the version chosen (or the version of the
+    environment's folder that speculators is imported from: its default, which the environment's
+    ``.pth`` file puts on the path), or None."""
     import importlib.util
 
-    from .demo import use_speculators
+    from .demo import environment_speculators_in_use, use_speculators
 
     if version is None and importlib.util.find_spec("speculators") is not None:
-        return None
+        return environment_speculators_in_use()
     return use_speculators(version)
 
 
