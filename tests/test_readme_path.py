@@ -56,7 +56,8 @@ def fenced(text: str, lang: str, containing: str) -> str:
 def test_the_readmes_commands_run_verbatim_in_the_demos_environment(tmp_path):
     """After ``scripts/demo`` (its environment, model and sequences, made here as it makes them): the
     README's shell commands (activate, doctor, extract, verify) and its Python example, as written, in
-    a shell without PYTHONPATH, from the checkout's root (here a folder whose ``.envs`` is this one)."""
+    a shell whose PYTHONPATH names only this checkout, from the checkout's root (here a folder whose
+    ``.envs`` is this one)."""
     import json
     import os
 
@@ -77,6 +78,9 @@ def test_the_readmes_commands_run_verbatim_in_the_demos_environment(tmp_path):
                                                  for i, s in enumerate(samples)))
     shell = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "SPECCOMPAT_", "VIRTUAL_ENV"))}
     shell["PATH"] = "/usr/bin:/bin"
+    # the environment's editable install may be of another checkout: this one's speccompat, nothing else
+    # (speculators comes from the environment's own default, as in the user's shell)
+    shell["PYTHONPATH"] = str(REPO)
     # each command's exit status (doctor's 3, "works but not run end to end", is one the README names)
     script = ["set -u"]
     for line in filter(str.strip, block.splitlines()):

@@ -46,18 +46,28 @@ PROGRESS_EVERY_S = 30.0
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=DefaultsHelpFormatter)
     add_arguments(ap)
     return ap.parse_args(argv)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, but for switches (``--no-progress``, ``--overwrite``),
+    whose "default: True" would read as the switch being on."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The flags of ``speccompat extract`` (and of the example drivers, which are this command)."""
-    ap.add_argument("--model-path", required=True, help="checkpoint directory (or hub id) of the target model")
+    ap.add_argument("--model-path", required=True, type=model_path,
+                    help="checkpoint directory (or hub id) of the target model")
     ap.add_argument("--prepared-data", required=True, type=Path,
                     help='JSONL from prepare_data.py: {"id", "input_ids", "loss_mask"?} per line')
-    ap.add_argument("--output-dir", required=True, type=Path, help="the data set; re-running resumes")
+    ap.add_argument("--output-dir", required=True, type=output_dir, help="the data set; re-running resumes")
     ap.add_argument("--format", choices=("safetensors", "speculators", "speculators-arrow"), default="safetensors",
                     help="safetensors: <id>.safetensors per sample; speculators: data_<i>.pt and "
                          "data_config.json as speculators' own data_generation_offline.py writes them "
@@ -92,12 +102,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--writer-threads", type=positive_int, default=default_writer_threads(),
                     help="threads writing files (default: one per CPU this process may use, 2 to 16; "
                          "%(default)s here)")
-    ap.add_argument("--max-in-flight-gb", type=float, default=8.0,
+    ap.add_argument("--max-in-flight-gb", type=positive_finite, default=8.0,
                     help="memory for states in flight: half for samples admitted to the engine and not yet "
                          "handed out, half for results not yet written (beyond it the engine waits)")
     ap.add_argument("--token-freq-path", type=Path, default=None,
                     help="--format speculators: token-frequency file (default: <output-dir>.token_freq.pt)")
-    ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO")
+    ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO",
+                    help="the least severe log lines shown (on stderr)")
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar (it shows on a terminal when tqdm is installed)")
     sc = ap.add_argument_group("scale-out (docs/scale-out.md)")
@@ -141,6 +152,45 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def positive_finite(text: str) -> float:
+    """A number > 0 that is not nan or infinite (``--max-in-flight-gb``)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def model_path(text: str) -> str:
+    """``--model-path``: a checkpoint directory or a Hugging Face id (``name`` or ``org/name``); a
+    path that names no directory here is refused, naming it (rather than the hub's complaint about
+    the id it is not)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give the model's checkpoint directory or hub id")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return text
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory (a checkpoint is a directory with config.json)")
+    looks_local = text.startswith(("/", ".", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
+    if looks_local:
+        raise argparse.ArgumentTypeError(f"{text} does not exist (a local checkpoint directory; a hub id is "
+                                         "name or org/name)")
+    return text
+
+
+def output_dir(text: str) -> Path:
+    """``--output-dir``: a directory to make or resume; an empty value (which would be the current
+    directory) is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name the data set's directory (it would be the current one)")
+    return Path(text)
 
 
 def shard_count(text: str) -> int | str:
@@ -531,6 +581,10 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
     t0 = time.monotonic()
     try:
         gen = start_generator(args, layer_ids)
+    except ImportError as exc:  # what speculators' generator or vLLM imports is missing: one line, no traceback
+        logger.error("the engine did not start (nothing was written): %s: %s; install it into this environment",
+                     type(exc).__name__, exc)
+        return EXIT_FAILED
     except Exception:
         logger.exception("the engine did not start (nothing was written)")
         return EXIT_FAILED
