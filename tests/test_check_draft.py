@@ -462,6 +462,7 @@ def test_the_target_models_own_config_is_refused_and_never_rewritten(tmp_path, c
     assert sorted(p.name for p in model.iterdir()) == files  # no backup made
 
 
+@needs_torch
 @pytest.mark.parametrize(("extra", "needle"), [
     ({"eagle_aux_hidden_state_layer_ids": 3}, "eagle_aux_hidden_state_layer_ids must be a list of ints, got 3"),
     ({"eagle_aux_hidden_state_layer_ids": ["3"]}, "must be a list of ints"),
