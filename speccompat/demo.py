@@ -45,6 +45,23 @@ def use_speculators(version: str | None) -> str | None:
     return version
 
 
+def environment_speculators_in_use() -> str | None:
+    """The version of a mkenv environment's speculators folder that ``import speculators`` would load
+    here (its default, or one ``PYTHONPATH`` names), or None: no such environment, no speculators, or
+    one from elsewhere."""
+    import importlib.util
+
+    desc = Path(sys.prefix) / "speccompat-env.json"
+    spec = importlib.util.find_spec("speculators")
+    if not desc.exists() or spec is None or not spec.origin:
+        return None
+    origin = Path(spec.origin).resolve()
+    for version, folder in json.loads(desc.read_text())["speculators"].items():
+        if Path(folder).resolve() in origin.parents:
+            return version
+    return None
+
+
 @contextlib.contextmanager
 def output_to(log: Path) -> Iterator[TextIO]:
     """Send this process's stdout/stderr (file descriptors 1 and 2, so child processes and C
@@ -155,6 +172,8 @@ def run_demo(model: str, workdir: str, sequences: int, speculators: str | None =
         rng = random.Random(0)
         seqs = [[rng.randrange(4, 512) for _ in range(rng.randrange(20, 600))] for _ in range(sequences)]
         tokens = sum(map(len, seqs))
+        prepared = work / "prepared.jsonl"  # the same sequences for `speccompat extract` (the README's next step)
+        prepared.write_text("".join(json.dumps({"id": f"demo-{i}", "input_ids": s}) + "\n" for i, s in enumerate(seqs)))
         t0 = time.time()
         with progress(term, f"extracting {len(seqs)} sequences ({tokens:,} tokens), layers {LAYER_IDS}"):
             results = gen.generate(seqs)
@@ -167,5 +186,6 @@ def run_demo(model: str, workdir: str, sequences: int, speculators: str | None =
                             [ref16.hidden_states(s, LAYER_IDS) for s in seqs])
         bad = violations(cases)
         term.write("\n".join(describe_parity(cases, bad)) + "\n")
+        term.write(f"the same sequences for `speccompat extract --prepared-data`: {prepared}\n")
         del gen
     return 1 if bad else 0

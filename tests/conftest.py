@@ -234,3 +234,16 @@ def pytest_runtest_logreport(report):
         tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(TIMES, indent=1) + "\n")
         tmp.replace(out)
+
+
+@pytest.fixture(autouse=True)
+def _start_method_kept():
+    """A test that runs ``speccompat extract`` in this process sets multiprocessing's start method to
+    spawn (:func:`speccompat.dataset.extract.use_spawn`); put back what was there, so that a process
+    pool of a later test starts its children the way it would alone."""
+    import multiprocessing
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    yield
+    if multiprocessing.get_start_method(allow_none=True) != before:
+        multiprocessing.set_start_method(before, force=True)

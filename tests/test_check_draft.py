@@ -440,3 +440,51 @@ def test_peagle_releases_are_what_vllms_own_config_parser_does(release, tmp_path
     assert hf["architectures"][0] in ("PeagleLlamaForCausalLM", "PeagleQwen3ForCausalLM")
     assert hf["eagle_aux_hidden_state_layer_ids"] == PEAGLE_DRAFT["eagle_aux_hidden_state_layer_ids"]
     assert sys.modules.get(spec.name) is None  # nothing registered: the release's module stays local
+
+
+def test_the_target_models_own_config_is_refused_and_never_rewritten(tmp_path, capsys):
+    """The verifier's config.json given as the draft (an easy slip: both directories hold one):
+    exit 2 in one line, and ``--fix`` leaves it byte for byte as it was, with no backup beside it."""
+    model = model_dir(tmp_path, layers=KIMI_LAYERS)
+    ds = tmp_path / "spec"
+    ds.mkdir()
+    (ds / "data_config.json").write_text(json.dumps({"model": {"target_model_path": str(model)},
+                                                    "hidden_states": {"layer_ids": KIMI_IDS}}))
+    before = (model / "config.json").read_bytes()
+    files = sorted(p.name for p in model.iterdir())
+    for target in (model, model / "config.json"):
+        assert cli(["check-draft", str(target), str(ds), "--fix"]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and "is it the target model's own config.json?" in err, captured
+        assert "DeepseekV3ForCausalLM" in err and captured.out == ""
+    assert (model / "config.json").read_bytes() == before
+    assert sorted(p.name for p in model.iterdir()) == files  # no backup made
+
+
+@needs_torch
+@pytest.mark.parametrize(("extra", "needle"), [
+    ({"eagle_aux_hidden_state_layer_ids": 3}, "eagle_aux_hidden_state_layer_ids must be a list of ints, got 3"),
+    ({"eagle_aux_hidden_state_layer_ids": ["3"]}, "must be a list of ints"),
+    ({"eagle_aux_hidden_state_layer_ids": [3, 61]}, "aux id(s) [61] are outside 0..60"),
+    ({"eagle_aux_hidden_state_layer_ids": [-1, 3]}, "aux id(s) [-1] are outside 0..60"),
+    ({"transformer_layer_config": ["llama"]}, "transformer_layer_config must be a JSON object"),
+    ({"transformer_layer_config": {"dflash_config": {"target_layer_ids": "2"}}},
+     "dflash_config.target_layer_ids must be a list of ints"),
+    ({"transformer_layer_config": {"eagle_config": ["x"]}}, "eagle_config must be a JSON object"),
+])
+def test_a_malformed_draft_config_is_bad_input_exit_2(dataset, tmp_path, capsys, extra, needle):
+    """What vLLM could not serve at all is bad input (exit 2, the file named), neither a mismatch
+    (exit 1) nor an internal error."""
+    draft = _draft(tmp_path, "bad", {**V04_DRAFT, **extra})
+    assert cli(["check-draft", str(draft), str(dataset), "--vllm", "0.32.0", "--fix"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and str(draft / "config.json") in err and "internal error" not in err, err
+    assert not (draft / "config.json.bak").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_num_hidden_layers_must_be_a_positive_whole_number(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as e:
+        cli(["check-draft", str(tmp_path), str(tmp_path), "--num-hidden-layers", value])
+    assert e.value.code == 2 and "--num-hidden-layers" in capsys.readouterr().err

@@ -159,6 +159,12 @@ def test_doctor_uses_the_speculators_of_a_mkenv_environment(tmp_path, py):
     proc = py(NO_ENV.format(prefix=str(prefix)) + "from speccompat.cli import main; main(['doctor', '--speculators', '0.9'])",
               path=[tmp_path], check=False)
     assert proc.returncode != 0 and "speculators 0.9 is not in this environment (have ['0.4.0', '0.4.0.1'])" in proc.stderr
+    # the environment's default (its .pth file puts the newest folder on the path) or a folder that
+    # PYTHONPATH names: the report names the environment's version it is imported from
+    code, report = _doctor(py, [tmp_path / "speculators-0.4.0", tmp_path], prefix=prefix)
+    assert report["speculators_from_environment"] == "0.4.0" and report["status"]["speculators"]["raw"] == "0.4.0"
+    code, report = _doctor(py, [tmp_path / "speculators-0.4.0.1", tmp_path], prefix=prefix)
+    assert report["speculators_from_environment"] == "0.4.0.1"
     # speculators importable otherwise: the environment's folders are not consulted
     write_fake_speculators(tmp_path, "0.4.0")
     code, report = _doctor(py, [tmp_path], prefix=prefix)

@@ -4,6 +4,7 @@ wrote, tensor-equal; export round trips are tensor-equal and verify; bad layer s
 
 from __future__ import annotations
 
+import importlib.util
 import textwrap
 
 import pytest
@@ -12,6 +13,9 @@ from test_dataset import provenance, run, scan
 from trainer_wheels import run_trainer_child
 
 pytest.importorskip("datasets", reason="the speculators-arrow layout needs `datasets` (speccompat[arrow])")
+#: the tests that write or read states (the writer stores torch tensors); the refusals run without it
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="the data set's writer stores torch tensors: torch is not installed")
 
 LOADER_CHILD = textwrap.dedent('''
     import json, sys, warnings
@@ -52,6 +56,7 @@ def _write(root, records, *, layout="speculators-arrow", limit=None, fail=()):
     return ds, inputs, todo
 
 
+@needs_torch
 @pytest.mark.parametrize("version", ["0.9.0", "0.6.0"])
 def test_speculators_arrow_dataset_reads_the_arrow_layout(tmp_path, version):
     recs = random_records(9, seed=5)
@@ -66,6 +71,7 @@ def test_speculators_arrow_dataset_reads_the_arrow_layout(tmp_path, version):
     assert out["approx_lengths"] == [s.num_tokens for s in todo]
 
 
+@needs_torch
 def test_arrow_layout_files_view_and_verify(tmp_path):
     import json
 
@@ -99,6 +105,7 @@ def test_arrow_layout_files_view_and_verify(tmp_path):
     assert problems == ["hidden_states/hs_99.safetensors: extra file (not a row of the view)"]
 
 
+@needs_torch
 def test_arrow_layout_resume_after_limit_renumbers_rows(tmp_path):
     from datasets import load_from_disk
 
@@ -114,6 +121,7 @@ def test_arrow_layout_resume_after_limit_renumbers_rows(tmp_path):
     assert verify_dataset(tmp_path / "out") == ([], 7)
 
 
+@needs_torch
 def test_arrow_layout_overwrite_replaces_the_view_and_a_rerun_keeps_it(tmp_path):
     """--overwrite moves the old set aside, its ``hidden_states/`` folder and Arrow files included;
     a re-run with nothing to do leaves the view as it is (same inode of ``state.json``)."""
@@ -169,6 +177,7 @@ def _same(a, b, layer_ids=LAYERS):
     return len(x)
 
 
+@needs_torch
 def test_export_round_trip_safetensors_arrow_safetensors(tmp_path):
     import torch
 
@@ -195,6 +204,7 @@ def test_export_round_trip_safetensors_arrow_safetensors(tmp_path):
     assert prov["exported_from"]["layout"] == "speculators-arrow" and prov["layout"] == "safetensors"
 
 
+@needs_torch
 def test_export_refuses_a_set_without_the_final_layer(tmp_path):
     from speccompat.dataset import Rejected
     from speccompat.dataset.export import export_dataset
@@ -230,6 +240,7 @@ def test_arrow_layout_shards_then_merge_number_rows_in_input_order(tmp_path):
     assert verify_dataset(tmp_path / "out") == ([], 9)
 
 
+@needs_torch
 def test_export_speculators_04_to_arrow(tmp_path):
     """A ``data_<i>.pt`` set (speculators 0.3/0.4's layout) to the Arrow layout, tensor-equal."""
     from speccompat.dataset import open_dataset

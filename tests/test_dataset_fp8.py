@@ -8,11 +8,13 @@ import json
 import textwrap
 
 import pytest
-import torch
-from dataset_fakes import LAYERS, jsonl, model_dir, random_records, states
-from test_dataset import provenance, run, scan
 
-from speccompat.dataset import fp8
+torch = pytest.importorskip("torch", reason="fp8 data sets are made and read with torch")
+
+from dataset_fakes import LAYERS, jsonl, model_dir, random_records, states  # noqa: E402
+from test_dataset import provenance, run, scan  # noqa: E402
+
+from speccompat.dataset import fp8  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8_e4m3fn")
 

@@ -138,10 +138,11 @@ def test_a_staging_link_pointing_outside_is_refused_and_the_outside_untouched(tm
 
 def test_export_to_speculators_04_keeps_its_token_frequencies_beside_and_never_replaces_one(tmp_path, capsys,
                                                                                            monkeypatch):
-    from speccompat.dataset import speculators_format
+    from speccompat.dataset import export, speculators_format
 
     # data_config.json is made by speculators' own code (tested with speculators in test_dataset_speculators)
     monkeypatch.setattr(speculators_format, "_data_config", lambda entries, info: {"samples": len(entries)})
+    monkeypatch.setattr(export, "speculators_missing", lambda layout: None)  # speculators' own code is faked
     src, samples = finished(tmp_path)
     out = tmp_path / "pt"
     beside = tmp_path / "pt.token_freq.pt"

@@ -293,3 +293,37 @@ def test_default_writer_threads_is_one_per_cpu_within_bounds(monkeypatch, cpus, 
     assert cfg.writer_threads == threads
     assert "--writer-threads" not in cfg.to_argv()  # left for the machine that runs the job
     assert dataclasses.replace(cfg, writer_threads=threads + 1).to_argv()[-2:] == ["--writer-threads", str(threads + 1)]
+
+
+def test_the_summary_times_the_extraction_without_the_engine_shutdown(tmp_path, monkeypatch, caplog, capfd):
+    """The engine's shutdown (seconds of vLLM stopping its workers) is reported on its own, not as
+    extraction time; the trainer's flags are the only thing on stdout."""
+    pytest.importorskip("torch", reason="the data set's writer")
+    import logging
+    import re
+    import time
+
+    from dataset_fakes import states
+
+    import speccompat
+
+    model = model_dir(tmp_path)
+    data = jsonl(tmp_path / "d.jsonl", random_records(4))
+    status = types.SimpleNamespace(state="armed", warnings=[], errors=[], speculators={"raw": "0.4.0.1"},
+                                   as_dict=lambda: {"state": "armed", "vllm": {"raw": "0.32.0"}})
+    monkeypatch.setattr(speccompat, "apply", lambda **kw: status)
+    monkeypatch.setattr(ex, "use_spawn", lambda: None)
+    monkeypatch.setattr(ex, "start_generator", lambda *a: object())
+    monkeypatch.setattr(ex, "kv_cache_problem", lambda *a: None)
+    monkeypatch.setattr(ex, "stream_results", lambda gen, todo, budget: ((s, states(s)) for s in todo))
+    monkeypatch.setattr(ex, "stop_generator", lambda gen: time.sleep(1.5))
+    caplog.set_level(logging.INFO, logger="speccompat.extract")
+    code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(tmp_path / "o"),
+                    "--layer-ids", "1", "2", "4", "5", "--no-progress"])
+    assert code == 0
+    summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("summary:"))
+    found = re.search(r"extraction ([0-9.]+) s: [0-9]+ tokens/s, engine shutdown ([0-9.]+) s", summary)
+    assert found, summary
+    assert float(found.group(1)) < 1.0 and float(found.group(2)) >= 1.5, summary
+    out = capfd.readouterr().out
+    assert out.startswith("layers stored: 1 2 4 5 of 6") and "summary:" not in out, out

@@ -203,7 +203,10 @@ def _effective_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """What vLLM's ``hf_config`` holds for this config.json (speculators format: base.py:59, algos.py:47)."""
     if "speculators_model_type" not in cfg:
         return cfg
-    hf = dict(cfg.get("transformer_layer_config") or {})
+    layer_config = cfg.get("transformer_layer_config") or {}
+    if not isinstance(layer_config, dict):
+        raise BadInput(f"transformer_layer_config must be a JSON object, got {layer_config!r}")
+    hf = dict(layer_config)
     if cfg.get(IDS_KEY):
         hf[IDS_KEY] = cfg[IDS_KEY]
     return hf
@@ -218,16 +221,50 @@ def served_aux_ids(cfg: dict[str, Any], num_hidden_layers: int) -> ServedLayers:
         source = f"transformer_layer_config.{IDS_KEY}"
     if not ids:
         dflash, eagle = hf.get("dflash_config"), hf.get("eagle_config")
+        for name, value in (("dflash_config", dflash), ("eagle_config", eagle)):
+            if value and not isinstance(value, dict):
+                raise BadInput(f"{name} must be a JSON object, got {value!r}")
         if isinstance(dflash, dict) and dflash.get("target_layer_ids"):
-            ids, source = [i + 1 for i in dflash["target_layer_ids"]], "dflash_config.target_layer_ids (+1)"
+            ids, source = _int_list(dflash["target_layer_ids"], "dflash_config.target_layer_ids"), \
+                "dflash_config.target_layer_ids (+1)"
+            ids = [i + 1 for i in ids]
         if isinstance(eagle, dict) and eagle:  # as vLLM: a non-empty eagle_config decides, even without ids
             ids, source = eagle.get(IDS_KEY), f"eagle_config.{IDS_KEY}"
-    if not ids or not isinstance(ids, (list, tuple)):
+    if not ids:
         return ServedLayers(vllm_default_aux_ids(num_hidden_layers),
                             f"vLLM's default (2, L//2, L-3) for L={num_hidden_layers}: the config sets no {IDS_KEY}")
-    if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise BadInput(f"{source} must be a list of ints, got {ids!r}")
+    ids = _int_list(ids, source)
+    outside = sorted({i for i in ids if not 0 <= i < num_hidden_layers})
+    if outside:
+        raise BadInput(f"{source} {ids}: aux id(s) {outside} are outside 0..{num_hidden_layers - 1}, the ids vLLM "
+                       f"captures on a verifier of {num_hidden_layers} decoder layers")
     return ServedLayers(tuple(sorted(set(ids))), source)
+
+
+def _int_list(value: Any, source: str) -> list[int]:
+    if not isinstance(value, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in value):
+        raise BadInput(f"{source} must be a list of ints, got {value!r}")
+    return list(value)
+
+
+#: config.json keys only a draft's has (speculators' format, vLLM's EAGLE/EAGLE-3/DFlash drafts)
+DRAFT_KEYS = ("speculators_model_type", "speculators_config", "eagle_config", "dflash_config", IDS_KEY,
+              "draft_vocab_size")
+#: words in a draft's architecture names (Eagle3Speculator, LlamaForCausalLMEagle3, PEagleDraftModel, ...)
+DRAFT_ARCHITECTURE_WORDS = ("eagle", "dflash", "speculator", "draft", "medusa")
+
+
+def not_a_draft(cfg: dict[str, Any]) -> str | None:
+    """Why config.json ``cfg`` is no draft's (a model's own config.json, such as the target's:
+    ``--fix`` would rewrite it), or None: it has a key only drafts have, or a draft's architecture."""
+    if any(k in cfg for k in DRAFT_KEYS):
+        return None
+    archs = cfg.get("architectures")
+    names = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+    if any(w in a.lower() for a in names for w in DRAFT_ARCHITECTURE_WORDS):
+        return None
+    return (f"not an EAGLE-3 draft's config (architectures {names or 'not named'}; none of "
+            f"{', '.join(DRAFT_KEYS)}): is it the target model's own config.json? Nothing was changed")
 
 
 def _peagle(cfg: dict[str, Any]) -> tuple[str, Version] | None:
@@ -300,6 +337,8 @@ def check_draft(draft: Path, dataset: Path, num_hidden_layers: int | None = None
     cfg = _read_json(config_path)
     if not isinstance(cfg, dict):
         raise BadInput(f"{config_path}: not a JSON object")
+    if (why := not_a_draft(cfg)) is not None:
+        raise BadInput(f"{config_path}: {why}")
     ds = dataset_layers(dataset)
     layers = ds.num_hidden_layers or num_hidden_layers
     if layers is None:
@@ -308,7 +347,10 @@ def check_draft(draft: Path, dataset: Path, num_hidden_layers: int | None = None
     if num_hidden_layers is not None and ds.num_hidden_layers not in (None, num_hidden_layers):
         raise BadInput(f"--num-hidden-layers {num_hidden_layers}, but {ds.source} records "
                        f"{ds.num_hidden_layers} for the model the data set came from")
-    served = served_aux_ids(cfg, layers)
+    try:
+        served = served_aux_ids(cfg, layers)
+    except BadInput as exc:
+        raise BadInput(f"{config_path}: {exc}") from None
     refused = refusal(cfg, vllm)
     try:
         trained = training_layers(ds.layer_ids, layers)
@@ -391,13 +433,23 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        "(exit 0 consistent, 1 mismatch, 2 bad input)")
     p.add_argument("draft", type=Path, help="the trained draft's directory (its config.json) or the config.json")
     p.add_argument("dataset", type=Path, help="the data set it was trained on")
-    p.add_argument("--num-hidden-layers", type=int, default=None,
+    p.add_argument("--num-hidden-layers", type=_positive_int, default=None,
                    help="the verifier's decoder layers, when the data set does not record them")
     p.add_argument("--fix", action="store_true", help="write the trained layers' aux ids into the draft's "
                    "config.json (the original is kept as config.json.bak)")
     p.add_argument("--vllm", metavar="VERSION", default=None,
                    help="the vLLM release that will serve the draft (default: the one installed here)")
     return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (the verifier's decoder layers), got {value}")
+    return value
 
 
 def _vllm_release(raw: str | None) -> Version | None:

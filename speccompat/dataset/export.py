@@ -275,7 +275,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return e
 
 
+def speculators_missing(layout: str) -> str | None:
+    """Why ``layout`` cannot be written here before any sample is converted: the speculators-0.4
+    layout's data_config.json is made by speculators' own code, so speculators must be importable."""
+    import importlib.util
+
+    if layout != "speculators-0.4" or importlib.util.find_spec("speculators") is not None:
+        return None
+    return ("--to speculators-0.4 needs speculators 0.3 or 0.4 installed (its data_config.json is written by "
+            "speculators' own code), and it is not; nothing was exported")
+
+
 def main(args: argparse.Namespace) -> int:
+    if (why := speculators_missing(args.to)) is not None:  # before any sample is converted
+        print(f"export {args.dataset}: {why}", file=sys.stderr)
+        return 2
     try:
         problems = export_dataset(args.dataset, args.to, args.out, threads=args.threads,
                                   max_in_flight_bytes=args.max_in_flight_bytes, dtype=args.dtype,

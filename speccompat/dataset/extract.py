@@ -46,18 +46,28 @@ PROGRESS_EVERY_S = 30.0
 
 
 def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, formatter_class=DefaultsHelpFormatter)
     add_arguments(ap)
     return ap.parse_args(argv)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, but for switches (``--no-progress``, ``--overwrite``),
+    whose "default: True" would read as the switch being on."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The flags of ``speccompat extract`` (and of the example drivers, which are this command)."""
-    ap.add_argument("--model-path", required=True, help="checkpoint directory (or hub id) of the target model")
+    ap.add_argument("--model-path", required=True, type=model_path,
+                    help="checkpoint directory (or hub id) of the target model")
     ap.add_argument("--prepared-data", required=True, type=Path,
                     help='JSONL from prepare_data.py: {"id", "input_ids", "loss_mask"?} per line')
-    ap.add_argument("--output-dir", required=True, type=Path, help="the data set; re-running resumes")
+    ap.add_argument("--output-dir", required=True, type=output_dir, help="the data set; re-running resumes")
     ap.add_argument("--format", choices=("safetensors", "speculators", "speculators-arrow"), default="safetensors",
                     help="safetensors: <id>.safetensors per sample; speculators: data_<i>.pt and "
                          "data_config.json as speculators' own data_generation_offline.py writes them "
@@ -92,12 +102,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--writer-threads", type=positive_int, default=default_writer_threads(),
                     help="threads writing files (default: one per CPU this process may use, 2 to 16; "
                          "%(default)s here)")
-    ap.add_argument("--max-in-flight-gb", type=float, default=8.0,
+    ap.add_argument("--max-in-flight-gb", type=positive_finite, default=8.0,
                     help="memory for states in flight: half for samples admitted to the engine and not yet "
                          "handed out, half for results not yet written (beyond it the engine waits)")
     ap.add_argument("--token-freq-path", type=Path, default=None,
                     help="--format speculators: token-frequency file (default: <output-dir>.token_freq.pt)")
-    ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO")
+    ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO",
+                    help="the least severe log lines shown (on stderr)")
     ap.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar (it shows on a terminal when tqdm is installed)")
     sc = ap.add_argument_group("scale-out (docs/scale-out.md)")
@@ -141,6 +152,45 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def positive_finite(text: str) -> float:
+    """A number > 0 that is not nan or infinite (``--max-in-flight-gb``)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def model_path(text: str) -> str:
+    """``--model-path``: a checkpoint directory or a Hugging Face id (``name`` or ``org/name``); a
+    path that names no directory here is refused, naming it (rather than the hub's complaint about
+    the id it is not)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: give the model's checkpoint directory or hub id")
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return text
+    if path.exists():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory (a checkpoint is a directory with config.json)")
+    looks_local = text.startswith(("/", ".", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
+    if looks_local:
+        raise argparse.ArgumentTypeError(f"{text} does not exist (a local checkpoint directory; a hub id is "
+                                         "name or org/name)")
+    return text
+
+
+def output_dir(text: str) -> Path:
+    """``--output-dir``: a directory to make or resume; an empty value (which would be the current
+    directory) is refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty: name the data set's directory (it would be the current one)")
+    return Path(text)
 
 
 def shard_count(text: str) -> int | str:
@@ -525,12 +575,16 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
             ds.finish(args.token_freq_path)
         logger.info("nothing to do: every sample%s has an intact file in %s",
                     f" of shard {shard.index} of {shard.num_shards}" if shard.num_shards > 1 else "", args.output_dir)
-        print(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
+        print_result(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
         return EXIT_OK
 
     t0 = time.monotonic()
     try:
         gen = start_generator(args, layer_ids)
+    except ImportError as exc:  # what speculators' generator or vLLM imports is missing: one line, no traceback
+        logger.error("the engine did not start (nothing was written): %s: %s; install it into this environment",
+                     type(exc).__name__, exc)
+        return EXIT_FAILED
     except Exception:
         logger.exception("the engine did not start (nothing was written)")
         return EXIT_FAILED
@@ -593,8 +647,10 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
         if bar is not None:
             bar.close()
         stats = writer.close(raise_error=False)
+        loop_end = time.monotonic()  # the extraction ends with the last file written, before the shutdown
         stop_generator(gen)
-    loop_s = max(time.monotonic() - loop_start, 1e-9)
+        shutdown_s = time.monotonic() - loop_end
+    loop_s = max(loop_end - loop_start, 1e-9)
     for sample, why in writer.failed:
         failed.append(f"line {sample.line} id {sample.id!r}: {why}")
     if code == EXIT_OK and shard.num_shards > 1:
@@ -612,9 +668,9 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
     stopped = max(0, unfinished - len(failed))
     logger.info("summary: %d written, %d already done (skipped), %d failed (%d rejected by the engine or the writer, "
                 "%d not extracted: the run stopped); %d tokens in %.1f s (engine start %.1f s, extraction %.1f s: "
-                "%.0f tokens/s); %s written to %s (engine waited %.2f s for the writer)",
+                "%.0f tokens/s, engine shutdown %.1f s); %s written to %s (engine waited %.2f s for the writer)",
                 stats.files, ds.done, unfinished, len(failed), stopped, tokens, time.monotonic() - started, engine_s,
-                loop_s, tokens / loop_s, human(stats.bytes), args.output_dir, stats.waited_s)
+                loop_s, tokens / loop_s, shutdown_s, human(stats.bytes), args.output_dir, stats.waited_s)
     if failed:
         for line in failed[:20]:
             logger.error("failed: %s", line)
@@ -622,7 +678,7 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
                      "the writer could not store fails the same way: fix or drop its input line)", len(failed))
         return EXIT_FAILED if code == EXIT_OK else code
     if code == EXIT_OK:
-        print(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
+        print_result(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
     return code
 
 
@@ -636,6 +692,44 @@ def _progress_bar(args: ExtractConfig, todo: list[Any]) -> Any:
         return None
     return tqdm(total=sum(s.num_tokens for s in todo), unit="tok", unit_scale=True, desc="extract",
                 dynamic_ncols=True)
+
+
+#: where the command's result (the trainer's flags) goes while :func:`logs_to_stderr` holds: the
+#: process's stdout, whose file descriptor then leads to stderr for everything else
+_result_stream: Any = None
+
+
+def print_result(text: str) -> None:
+    """The command's result, on stdout (the log, vLLM's and its workers' included, is on stderr)."""
+    print(text, file=_result_stream or sys.stdout, flush=True)
+
+
+@contextlib.contextmanager
+def logs_to_stderr() -> Any:
+    """Keep stdout for :func:`print_result`: vLLM logs to stdout (``VLLM_LOGGING_STREAM``, set to
+    stderr here unless given) and its workers inherit the file descriptor, so descriptor 1 leads to
+    stderr for the run and the result is written to the original stdout."""
+    global _result_stream
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream of Python's own (captured): nothing to move
+        fd = None
+    if fd != 1 or _result_stream is not None:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    _result_stream = os.fdopen(saved, "w", closefd=False)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        _result_stream.close()
+        _result_stream = None
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def use_spawn() -> None:
@@ -673,7 +767,8 @@ def main(argv: list[str] | None = None, *, script: Path | None = None, prog: str
     from speccompat.dataset import DatasetError
 
     try:
-        return extract(cfg)
+        with logs_to_stderr():
+            return extract(cfg)
     except Rejected as exc:
         logger.error("%s", exc)
         return EXIT_REJECTED
