@@ -1,5 +1,5 @@
 """Nothing outside the output directory is touched, and no half data set is left to pass a check:
-``export`` builds in a staging folder inside its output and moves it into place only once it
+``export`` builds in a staging folder beside its output and renames it into place only once it
 verifies; every folder speccompat creates in a data set is made anew and a link there is refused
 (exit 2) before anything is deleted or moved."""
 
@@ -10,6 +10,7 @@ import os
 
 import pytest
 from dataset_fakes import jsonl, model_dir, random_records
+from speculators_child import needs_speculators
 from test_dataset import provenance, run, scan
 
 from speccompat.cli import main
@@ -78,32 +79,35 @@ def test_an_export_from_a_source_with_one_corrupt_file_leaves_no_data_set(tmp_pa
     assert main(["verify", str(out)]) == 2 and main(["merge", str(out)]) == 2
 
 
-def test_an_interrupted_export_is_refused_by_verify_and_merge_and_redone_by_the_next_export(tmp_path, monkeypatch):
+def test_an_interrupted_export_leaves_nothing_in_its_output_and_the_next_export_recovers(tmp_path, monkeypatch,
+                                                                                         caplog):
     from speccompat.dataset import export as ex_mod
     from speccompat.dataset import verify_dataset
 
     src, samples = finished(tmp_path)
     out = tmp_path / "new"
+    stage = tmp_path / "new.speccompat-export-staging"
     real = ex_mod._read_source
     calls = []
 
-    def dies(*a):
+    def dies(*a, **k):
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return real(*a)
+        return real(*a, **k)
 
     monkeypatch.setattr(ex_mod, "_read_source", dies)
     assert main(["export", str(src), "--to", "safetensors", str(out)]) == 130
-    assert not out.exists()
-    # a process killed outright leaves its staging folder: the directory is no data set
-    out.mkdir()
-    (out / ".speccompat-export-staging").mkdir()
-    (out / ".speccompat-export-staging" / "manifest.jsonl").write_text("{}\n")
-    assert main(["verify", str(out)]) == 2 and main(["merge", str(out)]) == 2
+    assert not out.exists() and not stage.exists()
+    # a process killed outright leaves its staging folder beside out, never anything in out
+    stage.mkdir()
+    (stage / "manifest.jsonl").write_text("{}\n")
+    (stage / "data_0.pt").write_bytes(b"half")
     monkeypatch.setattr(ex_mod, "_read_source", real)
+    caplog.set_level("WARNING", "speccompat.dataset")
     assert main(["export", str(src), "--to", "safetensors", str(out)]) == 0
-    assert not (out / ".speccompat-export-staging").exists()
+    assert "found the staging folder of an interrupted export (2 file(s)" in caplog.text
+    assert not stage.exists()
     assert verify_dataset(out) == ([], len(samples))
 
 
@@ -129,11 +133,12 @@ def test_a_staging_link_pointing_outside_is_refused_and_the_outside_untouched(tm
     src, _ = finished(tmp_path)
     out = tmp_path / "new"
     out.mkdir()
-    os.symlink(outside, out / ".speccompat-export-staging")
+    os.symlink(outside, tmp_path / "new.speccompat-export-staging")
     before = snapshot(outside)
     assert main(["export", str(src), "--to", "safetensors", str(out)]) == 2
     assert "is a symbolic link" in capsys.readouterr().err
-    assert snapshot(outside) == before and os.path.islink(out / ".speccompat-export-staging")
+    assert snapshot(outside) == before and os.path.islink(tmp_path / "new.speccompat-export-staging")
+    assert os.listdir(out) == []
 
 
 def test_export_to_speculators_04_keeps_its_token_frequencies_beside_and_never_replaces_one(tmp_path, capsys,
@@ -226,3 +231,68 @@ def test_a_folder_named_like_a_temporary_file_does_not_stop_a_run(tmp_path, capl
     ds.close()
     assert ds.todo == [] and "is a folder named like a temporary file" in caplog.text
     assert (src / "x.safetensors.123.partial").is_dir()
+
+
+KILLED_EXPORT = '''
+import os, signal, sys, time
+from speccompat.dataset import export as ex_mod
+from speccompat.cli import main
+real, calls = ex_mod._read_source, []
+stage = sys.argv[2] + ".speccompat-export-staging"
+def dies(*a, **k):
+    calls.append(1)
+    if len(calls) == 8:  # 7 samples handed to the writer: once some are written, SIGKILL, no cleanup
+        for _ in range(200):
+            if len([n for n in os.listdir(stage) if n.endswith(".pt")]) >= 3:
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+ex_mod._read_source = dies
+main(["export", sys.argv[1], "--to", "speculators-0.4", sys.argv[2]])
+'''
+
+LOAD_AND_RERUN = '''
+import json, os, sys
+import speccompat
+speccompat.apply()
+import torch
+from speculators.train.data import Eagle3SampleFileDataset, list_files
+from speccompat.cli import main
+out = sys.argv[2]
+before = len(list_files(out))  # the loader's own walk
+try:
+    Eagle3SampleFileDataset(max_len=64, datapath=out, hidden_states_dtype=torch.bfloat16)
+    loaded = True
+except IndexError:  # no file to read: it fails, never trains on a part
+    loaded = False
+rc = main(["export", sys.argv[1], "--to", "speculators-0.4", out])
+after = Eagle3SampleFileDataset(max_len=64, datapath=out, hidden_states_dtype=torch.bfloat16)
+print(json.dumps({"before": before, "loaded": loaded, "rc": rc, "after": len(after), "first": after[0]["lengths"].tolist()}))
+'''
+
+
+@needs_speculators
+def test_a_killed_export_leaves_nothing_speculators_loader_reads_and_a_rerun_recovers(tmp_path):
+    """SIGKILL mid-export to speculators-0.4: speculators 0.3.0's Eagle3SampleFileDataset (every file
+    ending in pt under the directory, recursively) finds no sample in OUT; the rerun exports all 20."""
+    from speculators_child import ENGINE_ENV, run_child
+
+    path = ENGINE_ENV["speculators"].get("0.3.0")
+    if path is None:
+        pytest.skip("speculators 0.3.0 is not in this environment")
+    src, samples = finished(tmp_path, n=20)
+    out = tmp_path / "pt"
+    stage = tmp_path / "pt.speccompat-export-staging"
+    proc = run_child(KILLED_EXPORT, [str(src), str(out)], path)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert stage.is_dir() and [n for n in os.listdir(stage) if n.endswith(".pt")]  # killed mid-way
+    inside = [os.path.join(r, f) for r, _, fs in os.walk(out) for f in fs]
+    assert inside == [] and not (tmp_path / "pt.token_freq.pt").exists()
+    proc = run_child(LOAD_AND_RERUN, [str(src), str(out)], path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (got["before"], got["loaded"], got["rc"], got["after"]) == (0, False, 0, 20)
+    assert "found the staging folder of an interrupted export" in proc.stderr
+    assert not stage.exists() and (tmp_path / "pt.token_freq.pt").is_file()
+    assert not [n for n in os.listdir(out) if n.endswith("token_freq.pt")]
