@@ -322,3 +322,59 @@ def test_fp8_shards_merge_and_check_draft_facts(tmp_path):
         for got, want in zip(r[k]["hidden_states"], states(s), strict=True):
             assert within_fp8(got, want, torch.stack(states(s), 1).float().abs().amax(dim=(1, 2))[:, None] / 448)
     assert dataset_layers(tmp_path / "out").layer_ids == LAYERS
+
+
+def _rewrite_consistently(out, entry_id, change):
+    """Replace sample ``entry_id``'s file by ``change(tensors)`` (a dict of torch tensors) and make its
+    manifest entry agree (bytes, names, dtypes, shapes, checksums): only verify's content checks can
+    tell."""
+    from safetensors.torch import load_file, save_file
+
+    from speccompat.dataset.checksum import digest_fn
+    from speccompat.dataset.formats import read_safetensors
+
+    lines = (out / "manifest.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    entries = [json.loads(x) for x in lines[1:]]
+    entry = next(e for e in entries if e["id"] == entry_id)
+    path = out / entry["file"]
+    meta, _t, mm = read_safetensors(path)
+    meta = dict(meta)
+    del _t, mm
+    save_file(change(load_file(path)), path, metadata=meta)
+    digest = digest_fn(header["checksum"])
+    _m, raw, mm = read_safetensors(path)
+    entry["tensors"] = {n: {**entry["tensors"].get(n, {}), "dtype": d, "shape": s, "checksum": digest(b)}
+                        for n, (d, s, b) in raw.items()}
+    del raw, mm
+    entry["bytes"] = path.stat().st_size
+    (out / "manifest.jsonl").write_text("\n".join([lines[0], *(json.dumps(e) for e in entries)]) + "\n")
+
+
+@pytest.mark.parametrize("damage", ["missing", "negative"])
+def test_export_refuses_an_fp8_source_verify_rejects(tmp_path, damage, capsys):
+    """An fp8 source whose scales are missing or negative, its manifest made to agree: verify exits 1,
+    and export --dtype bfloat16 refuses it (exit 2, naming the file) instead of writing raw fp8 values or
+    flipped signs into a set that verifies clean; nothing is written."""
+    from speccompat.cli import main
+
+    ds, _inputs, samples = _write(tmp_path, layout="safetensors", scale="token")
+    out = tmp_path / "out"
+
+    def change(t):
+        if damage == "missing":
+            t.pop(fp8.SCALES)
+        else:
+            t[fp8.SCALES] = -t[fp8.SCALES]
+        return t
+
+    _rewrite_consistently(out, samples[2].id, change)
+    assert main(["verify", str(out)]) == 1
+    err = capsys.readouterr()
+    assert "hidden_states_scales" in err.out and "1 problem(s)" in err.err
+    new = tmp_path / "bf16"
+    assert main(["export", str(out), "--to", "safetensors", "--dtype", "bfloat16", str(new)]) == 2
+    err = capsys.readouterr().err
+    want = "expected" if damage == "missing" else "not finite and positive"
+    assert "verify rejects this source" in err and want in err and ds.files[samples[2].id] in err, err
+    assert not new.exists() and not (tmp_path / "bf16.speccompat-export-staging").exists()

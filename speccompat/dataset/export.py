@@ -70,7 +70,12 @@ class _Sample:
 
 
 def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, layer_ids: list[int],
-                 dequantize_dtype: Any = None) -> tuple[_Sample, dict[int, Any]]:
+                 dequantize_dtype: Any = None, *, prov: dict[str, Any] | None = None,
+                 prov_sha: str | None = None) -> tuple[_Sample, dict[int, Any]]:
+    """One source sample, checked as it is read: its tensors against the manifest's checksums and,
+    given ``prov``, at verify's level (shapes, finite states, fp8 scales finite and positive, the
+    input's hash, the embedded provenance) on the very bytes that are converted."""
+    from .directory import _verify_contents
     from .inputs import input_digest
 
     path = src / entry["file"]
@@ -83,6 +88,15 @@ def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, lay
         w = want.get(name) or {}
         if [dtype, shape] != [w.get("dtype"), w.get("shape")] or digest(buf) != w.get("checksum"):
             raise Rejected(f"{path}: tensor {name} does not match the manifest; run `speccompat verify {src}`")
+    missing = sorted(set(want) - set(raw))
+    if missing:
+        raise Rejected(f"{path}: tensor(s) {', '.join(missing)} of the manifest are missing from the file; "
+                       f"run `speccompat verify {src}`")
+    if prov is not None:
+        found = _verify_contents(entry["file"], entry, layout, _meta, raw, prov, prov_sha)
+        if found:
+            raise Rejected(f"{src}/{found[0]}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+                           + f": verify rejects this source; nothing was exported (run `speccompat verify {src}`)")
     try:
         tensors = {n: tensor_from(*v) for n, v in raw.items()}
         ids_t, mask_t, layers = decode_sample(layout.name, tensors, layer_ids, dtype=dequantize_dtype)
@@ -134,7 +148,8 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
                    progress: bool = True, dtype: str | None = None, fp8_scale: str | None = None) -> list[str]:
     """Convert ``src`` to layout ``to`` (a key of :data:`EXPORT_FORMATS`) in the new directory ``out``;
     returns ``verify``'s problems of the result (empty: intact, and in place). Raises :class:`Rejected`
-    when the conversion is not possible or a source file is not as its manifest says.
+    when the conversion is not possible or a source file is not as its manifest says (every file is
+    checked as it is read, at verify's level: a source verify rejects is not exported).
 
     The new data set is written into :func:`staging_dir` (``<out>.speccompat-export-staging``, beside
     ``out``, created anew, never through a link), verified there, and only then published by renaming
@@ -296,7 +311,8 @@ def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[
     with ds.writer(threads=threads, max_in_flight_bytes=max_in_flight_bytes, check_cast=dtype != src_dtype) as w:
         for k, e in enumerate(tqdm(entries, desc=f"export {src.name} -> {to}", unit="sample",
                                    disable=not progress)):
-            sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids, exact)
+            sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids, exact, prov=prov,
+                                            prov_sha=m.header.get("provenance_sha256"))
             files[sample.id] = layout.file_name(sample.id, k)
             w.submit([ds.job(sample, [by_layer[i] for i in layer_ids])])
     if w.failed:
