@@ -296,3 +296,26 @@ def test_a_killed_export_leaves_nothing_speculators_loader_reads_and_a_rerun_rec
     assert "found the staging folder of an interrupted export" in proc.stderr
     assert not stage.exists() and (tmp_path / "pt.token_freq.pt").is_file()
     assert not [n for n in os.listdir(out) if n.endswith("token_freq.pt")]
+
+
+def test_export_refuses_a_source_an_extraction_is_still_writing(tmp_path, capsys):
+    """7 of 20 samples written, the extraction still holding the source's lock: export refuses (exit 2)
+    as merge does, writing nothing; once the extraction has ended it exports all of them."""
+    from speccompat.dataset import open_dataset, verify_dataset
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(20, seed=5)))
+    prov = provenance(model)
+    src, out = tmp_path / "src", tmp_path / "new"
+    run(src, samples[:7], prov, batch=2)
+    ds = open_dataset(src, samples, prov)  # the extraction of the other 13 is under way
+    assert len(ds.todo) == 13
+    try:
+        assert main(["export", str(src), "--to", "safetensors", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"{src} is being written by an extraction (pid {os.getpid()}" in err and "Traceback" not in err
+        assert not out.exists() and not (tmp_path / "new.speccompat-export-staging").exists()
+    finally:
+        ds.lock.close()
+    assert main(["export", str(src), "--to", "safetensors", str(out)]) == 0
+    assert verify_dataset(out) == ([], 7)

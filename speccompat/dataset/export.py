@@ -129,6 +129,41 @@ def staging_dir(out: Path) -> Path:
     return r.with_name(r.name + EXPORT_STAGING)
 
 
+def _source_lock(src: Path) -> Any:
+    """A shared flock on the source's lock file for the export's life (None: the source has none, no
+    extraction ever ran in it). :class:`Rejected` while an extraction or a shard holds it, as merge
+    refuses: what it has not finished is not a data set to export. Opened read-only (a read-only
+    source works) and never through a link."""
+    import fcntl
+
+    from .directory import PART_LOCK_RE
+
+    sdir = DatasetDir(src)
+    names = [LOCK_NAME, *(n for n in sdir.names() if PART_LOCK_RE.match(n))]
+    held = None
+    for name in names:
+        try:
+            fd = os.open(sdir.path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise Rejected(f"{sdir.path(name)}: cannot open the source's lock file ({exc.strerror}); refused") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            if held is not None:
+                os.close(held)
+            raise Rejected(f"{src} is being written by an extraction (pid {holder}, {name}): export it when the "
+                           "extraction has ended") from None
+        if name == LOCK_NAME:
+            held = fd  # kept: no extraction starts in the source while it is read
+        else:
+            os.close(fd)
+    return held
+
+
 def _clear_staging(stage: Path) -> None:
     """Remove a staging folder an interrupted export left, saying what it held; :class:`Rejected`
     while another export holds it, or when it is a link or not a folder."""
@@ -174,9 +209,14 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
         raise Rejected(f"unknown format {to!r} (known: {', '.join(EXPORT_FORMATS)})")
     if not src.is_dir():
         raise Rejected(f"{src}: not a directory")
-    return _export_checked(src, to, out, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
-                           progress=progress, dtype=dtype, fp8_scale=fp8_scale, tqdm=tqdm, fp8=fp8,
-                           open_dataset=OpenDataset, verify=verify_dataset)
+    src_lock = _source_lock(src)
+    try:
+        return _export_checked(src, to, out, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
+                               progress=progress, dtype=dtype, fp8_scale=fp8_scale, tqdm=tqdm, fp8=fp8,
+                               open_dataset=OpenDataset, verify=verify_dataset)
+    finally:
+        if src_lock is not None:
+            os.close(src_lock)
 
 
 def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_flight_bytes: int, progress: bool,
