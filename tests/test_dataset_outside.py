@@ -319,3 +319,61 @@ def test_export_refuses_a_source_an_extraction_is_still_writing(tmp_path, capsys
         ds.lock.close()
     assert main(["export", str(src), "--to", "safetensors", str(out)]) == 0
     assert verify_dataset(out) == ([], 7)
+
+
+def test_export_says_what_to_do_for_an_empty_source_unmerged_shards_and_a_full_disk(tmp_path, capsys, monkeypatch,
+                                                                                    caplog):
+    import errno
+
+    from speccompat.dataset.fsutil import FileOps
+    from speccompat.dataset.shards import ShardSpec, open_shard
+
+    src, samples = finished(tmp_path)
+    # an empty source: a header, no entry
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "manifest.jsonl").write_text((src / "manifest.jsonl").read_text().splitlines()[0] + "\n")
+    assert main(["export", str(empty), "--to", "speculators-arrow", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    assert "its manifest lists no sample: nothing to export" in err and "Traceback" not in err
+    # a sharded source not merged yet
+    shards = tmp_path / "shards"
+    prov = provenance(model_dir(tmp_path))
+    ds = open_shard(shards, samples, prov, ShardSpec(2, 0, "test"))
+    for h in ds.lock:
+        h.close()
+    assert main(["export", str(shards), "--to", "safetensors", str(tmp_path / "s")]) == 2
+    assert f"run `speccompat merge {shards}` first" in capsys.readouterr().err
+    # a full disk: export's own words (nothing kept, nothing to resume), exit 1
+    def full(fd, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileOps, "reserve", staticmethod(full))
+    out = tmp_path / "new"
+    assert main(["export", str(src), "--to", "safetensors", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "nothing was exported and the staging folder is removed; free some space" in err, err
+    assert "re-run to resume" not in err and "finished files are kept" not in err
+    assert not out.exists() and not (tmp_path / "new.speccompat-export-staging").exists()
+
+
+def test_a_rerun_finishes_an_export_killed_between_its_two_renames(tmp_path, monkeypatch, caplog, capsys):
+    """Killed after OUT was renamed into place but before the token frequencies were: the rerun moves
+    them (saying so) instead of only refusing a non-empty OUT; any other non-empty OUT is refused,
+    saying what it holds."""
+    from speccompat.dataset import speculators_format
+
+    monkeypatch.setattr(speculators_format, "_data_config", lambda entries, info: {"samples": len(entries)})
+    src, _ = finished(tmp_path)
+    out = tmp_path / "pt"
+    assert main(["export", str(src), "--to", "speculators-0.4", str(out)]) == 0
+    freq = tmp_path / "pt.token_freq.pt"
+    data = freq.read_bytes()
+    os.replace(freq, tmp_path / "pt.speccompat-export-staging.token_freq.pt")
+    caplog.set_level("WARNING", "speccompat.dataset")
+    assert main(["export", str(src), "--to", "speculators-0.4", str(out)]) == 0
+    assert "a finished export whose token-frequency file was still at" in caplog.text
+    assert freq.read_bytes() == data and not (tmp_path / "pt.speccompat-export-staging.token_freq.pt").exists()
+    capsys.readouterr()
+    assert main(["export", str(src), "--to", "safetensors", str(out)]) == 2
+    assert "exists and is not empty (it holds a data set (manifest.jsonl);" in capsys.readouterr().err

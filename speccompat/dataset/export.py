@@ -179,6 +179,26 @@ def _clear_staging(stage: Path) -> None:
     parent.remove_own_dir(stage.name)
 
 
+@contextlib.contextmanager
+def _export_words(out: Path, stage_path: Path) -> Any:
+    """The writer's failures in export's words: an export keeps no finished file and does not
+    resume (the extraction's \"finished files are kept: re-run to resume\" is not true of it)."""
+    from .errors import NoSpace, WriterFailed
+
+    try:
+        yield
+    except NoSpace as exc:
+        cause = exc.__cause__
+        why = getattr(cause, "strerror", None) or "no space left"
+        raise NoSpace(f"no space left on the file system of {stage_path} ({why}): nothing was exported and the "
+                      f"staging folder is removed; free some space (the new set needs about the source's size) "
+                      f"and run the export again") from cause
+    except WriterFailed as exc:
+        cause = exc.__cause__
+        raise WriterFailed(f"writing the new set in {stage_path} failed ({type(cause).__name__}: {cause}): nothing "
+                           f"was exported into {out}; run the export again") from cause
+
+
 def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_flight_bytes: int = 2 << 30,
                    progress: bool = True, dtype: str | None = None, fp8_scale: str | None = None) -> list[str]:
     """Convert ``src`` to layout ``to`` (a key of :data:`EXPORT_FORMATS`) in the new directory ``out``;
@@ -222,11 +242,19 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
 def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_flight_bytes: int, progress: bool,
                     dtype: str | None, fp8_scale: str | None, tqdm: Any, fp8: Any, open_dataset: Any,
                     verify: Any) -> list[str]:
+    sdir = DatasetDir(src)
     m = Manifest(src).load()
+    parts = sdir.parts()
+    merge_hint = (f"; it holds {len(parts)} manifest part(s) of a sharded extraction not merged: run "
+                  f"`speccompat merge {src}` first") if parts else ""
     if m.header is None:
-        raise Rejected(f"{src}: no {MANIFEST_NAME} header: not a speccompat data set")
+        raise Rejected(f"{src}: no {MANIFEST_NAME} header: not a speccompat data set{merge_hint}")
+    if parts:
+        raise Rejected(f"{src}{merge_hint}")
     if m.problems:
         raise Rejected(f"{src}: {m.problems[0]}; run `speccompat verify {src}`")
+    if not m.entries:
+        raise Rejected(f"{src}: its manifest lists no sample: nothing to export")
     prov = m.provenance or {}
     src_layer_ids = list(prov["hidden_states"]["layer_ids"])
     src_layout = layout_named(m.header["layout"], src_layer_ids)
@@ -289,7 +317,7 @@ def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_fligh
                        f"{exc.strerror or exc}") from None
     stage = DatasetDir(stage_path)
     try:
-        with stage.lock(busy=f"another export is writing to {stage_path}"):
+        with stage.lock(busy=f"another export is writing to {stage_path}"), _export_words(out, stage_path):
             problems = _export_staged(src, m, src_layout, src_layer_ids, to, stage, layout, layer_ids, prov,
                                       freq_staged, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
                                       progress=progress, tqdm=tqdm, open_dataset=open_dataset, verify=verify,
