@@ -377,3 +377,50 @@ def test_a_rerun_finishes_an_export_killed_between_its_two_renames(tmp_path, mon
     capsys.readouterr()
     assert main(["export", str(src), "--to", "safetensors", str(out)]) == 2
     assert "exists and is not empty (it holds a data set (manifest.jsonl);" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["hidden_states/hs_1.safetensors", "dataset_info.json"])
+def test_verify_reports_a_link_of_the_set_that_points_outside(tmp_path, capsys, name):
+    """A view or side file replaced by a symbolic link to a copy outside (the same bytes: every
+    content check passes): verify names the link and its target, exit 1."""
+    pytest.importorskip("datasets")
+    src, _ = finished(tmp_path, layout="speculators-arrow")
+    capsys.readouterr()
+    copy = tmp_path / "elsewhere"
+    copy.write_bytes((src / name).read_bytes())
+    os.unlink(src / name)
+    os.symlink(copy, src / name)
+    assert main(["verify", str(src)]) == 1
+    out = capsys.readouterr().out
+    assert f"{src}/{name}: a symbolic link to {copy}, outside the data set" in out, out
+
+
+def test_verify_says_a_set_is_being_written(tmp_path, capsys):
+    """While an extraction holds the lock: verify says so (exit 1) instead of "0 problems", and lists
+    none of its files in progress as extra; with no manifest yet, exit 2 saying it is being written."""
+    from speccompat.dataset import open_dataset
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(6, seed=5)))
+    prov = provenance(model)
+    src = tmp_path / "src"
+    run(src, samples[:3], prov, batch=2)
+    ds = open_dataset(src, samples, prov)
+    (src / f"x.safetensors.{os.getpid()}.partial").write_bytes(b"in progress")
+    try:
+        capsys.readouterr()
+        assert main(["verify", str(src)]) == 1
+        got = capsys.readouterr()
+        assert f"manifest.jsonl: the data set is being written (pid {os.getpid()} holds .speccompat-dataset.lock)" \
+            in got.out and "only the 3 sample(s) finished so far" in got.out
+        assert "extra file" not in got.out and "1 problem(s)" in got.err
+    finally:
+        ds.lock.close()
+    fresh = tmp_path / "fresh"
+    ds = open_dataset(fresh, samples, prov)
+    os.unlink(fresh / "manifest.jsonl")  # as before its first line is written
+    try:
+        assert main(["verify", str(fresh)]) == 2
+        assert "it is being written (pid" in capsys.readouterr().err
+    finally:
+        ds.lock.close()

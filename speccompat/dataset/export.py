@@ -388,7 +388,7 @@ def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[
         raise Rejected(f"{len(w.failed)} sample(s) of {src} could not be written (id {sample.id!r}: {why}); "
                        f"nothing was exported")
     ds.finish(freq_staged)  # the one finish path
-    problems, n = verify(stage.root, threads)
+    problems, n = verify(stage.root, threads, own_lock=True)  # the staging lock is this export's
     logger.info("export %s: %d samples written and verified, %d problem(s)", stage.root, n, len(problems))
     return [f"{p} (in the staging folder; nothing was exported)" for p in problems]
 
