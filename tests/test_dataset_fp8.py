@@ -378,3 +378,38 @@ def test_export_refuses_an_fp8_source_verify_rejects(tmp_path, damage, capsys):
     want = "expected" if damage == "missing" else "not finite and positive"
     assert "verify rejects this source" in err and want in err and ds.files[samples[2].id] in err, err
     assert not new.exists() and not (tmp_path / "bf16.speccompat-export-staging").exists()
+
+
+def test_fp8_scale_without_fp8_is_refused_by_extract_and_export(tmp_path, monkeypatch, caplog, capsys):
+    """--fp8-scale was silently ignored without --dtype fp8: extract and export refuse it (exit 2)
+    before an engine starts or anything is written."""
+    from speccompat.cli import main
+    from speccompat.dataset import extract as ex
+
+    model = model_dir(tmp_path)
+    data = jsonl(tmp_path / "d.jsonl", random_records(3))
+    out = tmp_path / "out"
+    monkeypatch.setattr(ex, "start_generator", lambda *a: pytest.fail("the engine must not start"))
+    argv = ["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out), "--max-seq-len", "64"]
+    assert ex.main([*argv, "--fp8-scale", "token-layer"]) == 2 and not out.exists()
+    assert "--fp8-scale token-layer applies to --dtype fp8 only (this run stores bfloat16)" in caplog.text
+    run(tmp_path / "src", scan(data), provenance(model))
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "src"), "--to", "safetensors", "--fp8-scale", "token",
+                 str(tmp_path / "new")]) == 2
+    assert "--fp8-scale token applies to --dtype fp8 only" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_closing_advice_of_an_fp8_run_names_only_trainers_that_read_fp8(tmp_path):
+    from speccompat.dataset import extract as ex
+
+    base = ["--model-path", "m", "--prepared-data", "d.jsonl", "--output-dir", str(tmp_path / "hs"),
+            "--format", "speculators-arrow"]
+    bf16 = ex.closing_advice(ex.ExtractConfig.from_args(ex.parse_args(base)), [1, 2, 5], 6)
+    q = ex.closing_advice(ex.ExtractConfig.from_args(ex.parse_args([*base, "--dtype", "fp8"])), [1, 2, 5], 6)
+    assert "speculators 0.3/0.4: put" in bf16 and "speculators >= 0.5: train with --target-layer-ids 2 3" in bf16
+    assert "0.3/0.4: put" not in q and ">= 0.5" not in q
+    assert "speculators >= 0.9 (the trainers that read fp8): train with --hidden-states-backend fp8 " \
+           "--target-layer-ids 2 3" in q and "speculators 0.3-0.8 cannot read fp8" in q
+    assert q.splitlines()[:2] == bf16.splitlines()[:2]  # the layers' meaning is the same

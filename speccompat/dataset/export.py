@@ -227,6 +227,9 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
     src, out = Path(src), Path(out)
     if to not in EXPORT_FORMATS:
         raise Rejected(f"unknown format {to!r} (known: {', '.join(EXPORT_FORMATS)})")
+    if fp8_scale is not None and dtype != fp8.FP8:
+        raise Rejected(f"--fp8-scale {fp8_scale} applies to --dtype fp8 only (the result is stored as "
+                       f"{dtype or 'the source stores it'}): drop it, or pass --dtype fp8")
     if not src.is_dir():
         raise Rejected(f"{src}: not a directory")
     src_lock = _source_lock(src)
