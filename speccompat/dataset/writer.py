@@ -97,7 +97,7 @@ class DatasetWriter:
         self.out_dir, self.layout, self.manifest = Path(out_dir), layout, manifest
         self.layer_ids, self.dtype, self.check_cast = list(layer_ids), dtype, check_cast
         self.fp8_scale = fp8_scale  # quantize to fp8 with scales of this granularity (speccompat.dataset.fp8)
-        self.checksum_name, self.digest = checksum, digest_fn(checksum)
+        self.digest = digest_fn(checksum)
         self.ops = ops or FileOps()
         self.manifest.ops = self.ops  # the manifest append is one of the writer's file operations
         self.commit_failed = False  # once a commit failed, no later batch commits
