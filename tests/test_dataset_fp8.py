@@ -413,3 +413,38 @@ def test_the_closing_advice_of_an_fp8_run_names_only_trainers_that_read_fp8(tmp_
     assert "speculators >= 0.9 (the trainers that read fp8): train with --hidden-states-backend fp8 " \
            "--target-layer-ids 2 3" in q and "speculators 0.3-0.8 cannot read fp8" in q
     assert q.splitlines()[:2] == bf16.splitlines()[:2]  # the layers' meaning is the same
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "speculators-arrow"])
+def test_values_fp8_stores_as_zero_are_counted_and_said(tmp_path, layout):
+    """A token whose amax is 100 has the scale 100/448: a value of 1e-6 is below fp8's smallest step
+    (2^-9 of the scale, rounded to nearest) and is stored as 0. The writer counts exactly the values
+    that were not 0 and read back as 0; the run's note says how many."""
+    from speccompat.dataset import open_dataset
+    from speccompat.dataset.reader import HiddenStatesDataset
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(4, seed=6)))
+    out = tmp_path / "out"
+    ds = open_dataset(out, samples, provenance(model, layout=layout, dtype="fp8", fp8_scale="token"))
+    made = {}
+    with ds.writer(threads=2) as w:
+        for s in samples:
+            h = [x.float() for x in states(s)]
+            h[0][:, 0] = 100.0  # each token's amax
+            h[1][:, :5] = 1e-6  # flushed
+            h[2][:, 5] = 0.0  # a true zero: not counted
+            made[s.id] = h
+            w.submit([ds.job(s, [x.bfloat16() for x in h])])
+    ds.lock.close()
+    back = HiddenStatesDataset(out, dequantize_dtype=torch.float32)
+    want = 0
+    for k, s in enumerate(samples):
+        for x, y in zip(made[s.id], back[k]["hidden_states"], strict=True):
+            want += int(((x.bfloat16().float() != 0) & (y == 0)).sum())
+    assert want >= 5 * sum(s.num_tokens for s in samples)
+    assert w.stats.fp8_flushed == want
+    assert w.stats.fp8_values == sum(s.num_tokens for s in samples) * len(LAYERS) * made[samples[0].id][0].shape[1]
+    note = fp8.flushed_note(w.stats.fp8_flushed, w.stats.fp8_values, "token")
+    assert note.startswith(f"fp8: {want} of {w.stats.fp8_values} hidden-state values (") and "token-layer" in note
+    assert fp8.flushed_note(0, 10, "token") is None

@@ -386,6 +386,8 @@ def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[
                                             prov_sha=m.header.get("provenance_sha256"))
             files[sample.id] = layout.file_name(sample.id, k)
             w.submit([ds.job(sample, [by_layer[i] for i in layer_ids])])
+    if dtype == fp8.FP8 and (note := fp8.flushed_note(w.stats.fp8_flushed, w.stats.fp8_values, fp8_scale)):
+        logger.warning("%s", note)
     if w.failed:
         sample, why = w.failed[0]
         raise Rejected(f"{len(w.failed)} sample(s) of {src} could not be written (id {sample.id!r}: {why}); "

@@ -520,6 +520,7 @@ def extract(args: ExtractConfig) -> int:
 
 def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids: list[int], started: float) -> int:
     from speccompat.dataset import EXIT_FAILED, EXIT_OK, WriterFailed
+    from speccompat.dataset.fp8 import flushed_note
     from speccompat.dataset.fsutil import human
     from speccompat.errors import KVCacheTooSmall
 
@@ -596,6 +597,8 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
         if bar is not None:
             bar.close()
         stats = writer.close(raise_error=False)
+        if (note := flushed_note(stats.fp8_flushed, stats.fp8_values, args.fp8_scale or "token")) is not None:
+            logger.warning("%s", note)
         stop_generator(gen)
     loop_s = max(time.monotonic() - loop_start, 1e-9)
     for sample, why in writer.failed:
