@@ -93,6 +93,36 @@ def test_every_bad_line_is_reported_with_its_line_number(tmp_path):
         report_scan(scan, 100)
 
 
+def test_a_byte_order_mark_is_accepted_and_a_duplicate_key_refused_naming_line_and_key(tmp_path):
+    from speccompat.dataset.inputs import scan_jsonl
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"id": "a", "input_ids": [5, 6]}).encode() + b"\n"
+                     + b'{"id": "b", "input_ids": [5, 6], "input_ids": [7]}\n'
+                     + b'{"id": "c", "input_ids": [5], "loss_mask": [1], "loss_mask": [0]}\n'
+                     + json.dumps({"id": "d", "input_ids": [8]}).encode() + b"\n")
+    scan = scan_jsonl(path, vocab_size=VOCAB, max_seq_len=100)
+    assert [(s.id, list(s.input_ids)) for s in scan.samples] == [("a", [5, 6]), ("d", [8])]
+    assert [(p.line, p.reason) for p in scan.problems] == [
+        (2, "duplicate key 'input_ids' in a JSON object: which value is meant cannot be told"),
+        (3, "duplicate key 'loss_mask' in a JSON object: which value is meant cannot be told")]
+    assert all(p.fatal for p in scan.problems)
+
+
+def test_the_manifest_keeps_the_input_order_after_a_sample_is_redone(tmp_path):
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(6, seed=2)))
+    out = tmp_path / "out"
+    run(out, samples, provenance(model), batch=2)
+    order = [e["id"] for e in manifest_entries(out)]
+    assert order == [s.id for s in samples]
+    victim = out / next(e["file"] for e in manifest_entries(out) if e["id"] == samples[1].id)
+    victim.unlink()  # the resume redoes it: its entry is appended after the others
+    ds, _ = run(out, samples, provenance(model), batch=2)
+    assert [s.id for s in ds.todo] == [samples[1].id]
+    assert [e["id"] for e in manifest_entries(out)] == order
+
+
 def test_long_lines_truncate_skip_or_fail(tmp_path):
     from speccompat.dataset.inputs import scan_jsonl
 

@@ -11,6 +11,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,31 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(world):
         run(out, samples, provenance(model))
     assert cli_main(["merge", str(out)]) == 2
     assert victim.read_text() == "precious"
+    assert not (out / "manifest.jsonl").exists()
+
+
+@pytest.mark.parametrize("name", [".speccompat-dataset.lock", ".speccompat-shard-00000-of-00002.lock"])
+def test_a_hard_linked_lock_file_is_refused_and_the_other_file_untouched(world, name):
+    """A lock file that is a hard link to a file outside: every command that takes (or probes) the
+    lock refuses, naming it; the outside file keeps its bytes (the pid is never written into it)."""
+    from speccompat.cli import main as cli_main
+    from speccompat.dataset.directory import DatasetDir
+    from speccompat.dataset.shards import ShardSpec, open_shard
+
+    root, model, _data, samples = world
+    out, victim = root / "out", root / "victim.txt"
+    out.mkdir()
+    victim.write_text("precious")
+    os.link(victim, out / name)
+    with pytest.raises(Rejected, match=rf"{re.escape(name)} has 2 hard links: refused"):
+        if name.startswith(".speccompat-shard"):
+            open_shard(out, samples, provenance(model), ShardSpec(2, 0, "test"))
+        else:
+            run(out, samples, provenance(model))
+    with pytest.raises(Rejected, match="hard links"):
+        DatasetDir(out).held(name)
+    assert cli_main(["merge", str(out)]) == 2
+    assert victim.read_text() == "precious" and os.stat(victim).st_nlink == 2
     assert not (out / "manifest.jsonl").exists()
 
 

@@ -324,3 +324,129 @@ def test_fp8_shards_merge_and_check_draft_facts(tmp_path):
         for got, want in zip(r[k]["hidden_states"], states(s), strict=True):
             assert within_fp8(got, want, torch.stack(states(s), 1).float().abs().amax(dim=(1, 2))[:, None] / 448)
     assert dataset_layers(tmp_path / "out").layer_ids == LAYERS
+
+
+def _rewrite_consistently(out, entry_id, change):
+    """Replace sample ``entry_id``'s file by ``change(tensors)`` (a dict of torch tensors) and make its
+    manifest entry agree (bytes, names, dtypes, shapes, checksums): only verify's content checks can
+    tell."""
+    from safetensors.torch import load_file, save_file
+
+    from speccompat.dataset.checksum import digest_fn
+    from speccompat.dataset.formats import read_safetensors
+
+    lines = (out / "manifest.jsonl").read_text().splitlines()
+    header = json.loads(lines[0])
+    entries = [json.loads(x) for x in lines[1:]]
+    entry = next(e for e in entries if e["id"] == entry_id)
+    path = out / entry["file"]
+    meta, _t, mm = read_safetensors(path)
+    meta = dict(meta)
+    del _t, mm
+    save_file(change(load_file(path)), path, metadata=meta)
+    digest = digest_fn(header["checksum"])
+    _m, raw, mm = read_safetensors(path)
+    entry["tensors"] = {n: {**entry["tensors"].get(n, {}), "dtype": d, "shape": s, "checksum": digest(b)}
+                        for n, (d, s, b) in raw.items()}
+    del raw, mm
+    entry["bytes"] = path.stat().st_size
+    (out / "manifest.jsonl").write_text("\n".join([lines[0], *(json.dumps(e) for e in entries)]) + "\n")
+
+
+@pytest.mark.parametrize("damage", ["missing", "negative"])
+def test_export_refuses_an_fp8_source_verify_rejects(tmp_path, damage, capsys):
+    """An fp8 source whose scales are missing or negative, its manifest made to agree: verify exits 1,
+    and export --dtype bfloat16 refuses it (exit 2, naming the file) instead of writing raw fp8 values or
+    flipped signs into a set that verifies clean; nothing is written."""
+    from speccompat.cli import main
+
+    ds, _inputs, samples = _write(tmp_path, layout="safetensors", scale="token")
+    out = tmp_path / "out"
+
+    def change(t):
+        if damage == "missing":
+            t.pop(fp8.SCALES)
+        else:
+            t[fp8.SCALES] = -t[fp8.SCALES]
+        return t
+
+    _rewrite_consistently(out, samples[2].id, change)
+    assert main(["verify", str(out)]) == 1
+    err = capsys.readouterr()
+    assert "hidden_states_scales" in err.out and "1 problem(s)" in err.err
+    new = tmp_path / "bf16"
+    assert main(["export", str(out), "--to", "safetensors", "--dtype", "bfloat16", str(new)]) == 2
+    err = capsys.readouterr().err
+    want = "expected" if damage == "missing" else "not finite and positive"
+    assert "verify rejects this source" in err and want in err and ds.files[samples[2].id] in err, err
+    assert not new.exists() and not (tmp_path / "bf16.speccompat-export-staging").exists()
+
+
+def test_fp8_scale_without_fp8_is_refused_by_extract_and_export(tmp_path, monkeypatch, caplog, capsys):
+    """--fp8-scale was silently ignored without --dtype fp8: extract and export refuse it (exit 2)
+    before an engine starts or anything is written."""
+    from speccompat.cli import main
+    from speccompat.dataset import extract as ex
+
+    model = model_dir(tmp_path)
+    data = jsonl(tmp_path / "d.jsonl", random_records(3))
+    out = tmp_path / "out"
+    monkeypatch.setattr(ex, "start_generator", lambda *a: pytest.fail("the engine must not start"))
+    argv = ["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out), "--max-seq-len", "64"]
+    assert ex.main([*argv, "--fp8-scale", "token-layer"]) == 2 and not out.exists()
+    assert "--fp8-scale token-layer applies to --dtype fp8 only (this run stores bfloat16)" in caplog.text
+    run(tmp_path / "src", scan(data), provenance(model))
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "src"), "--to", "safetensors", "--fp8-scale", "token",
+                 str(tmp_path / "new")]) == 2
+    assert "--fp8-scale token applies to --dtype fp8 only" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
+def test_the_closing_advice_of_an_fp8_run_names_only_trainers_that_read_fp8(tmp_path):
+    from speccompat.dataset import extract as ex
+
+    base = ["--model-path", "m", "--prepared-data", "d.jsonl", "--output-dir", str(tmp_path / "hs"),
+            "--format", "speculators-arrow"]
+    bf16 = ex.closing_advice(ex.ExtractConfig.from_args(ex.parse_args(base)), [1, 2, 5], 6)
+    q = ex.closing_advice(ex.ExtractConfig.from_args(ex.parse_args([*base, "--dtype", "fp8"])), [1, 2, 5], 6)
+    assert "speculators 0.3/0.4: put" in bf16 and "speculators >= 0.5: train with --target-layer-ids 2 3" in bf16
+    assert "0.3/0.4: put" not in q and ">= 0.5" not in q
+    assert "speculators >= 0.9 (the trainers that read fp8): train with --hidden-states-backend fp8 " \
+           "--target-layer-ids 2 3" in q and "speculators 0.3-0.8 cannot read fp8" in q
+    assert q.splitlines()[:2] == bf16.splitlines()[:2]  # the layers' meaning is the same
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "speculators-arrow"])
+def test_values_fp8_stores_as_zero_are_counted_and_said(tmp_path, layout):
+    """A token whose amax is 100 has the scale 100/448: a value of 1e-6 is below fp8's smallest step
+    (2^-9 of the scale, rounded to nearest) and is stored as 0. The writer counts exactly the values
+    that were not 0 and read back as 0; the run's note says how many."""
+    from speccompat.dataset import open_dataset
+    from speccompat.dataset.reader import HiddenStatesDataset
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(4, seed=6)))
+    out = tmp_path / "out"
+    ds = open_dataset(out, samples, provenance(model, layout=layout, dtype="fp8", fp8_scale="token"))
+    made = {}
+    with ds.writer(threads=2) as w:
+        for s in samples:
+            h = [x.float() for x in states(s)]
+            h[0][:, 0] = 100.0  # each token's amax
+            h[1][:, :5] = 1e-6  # flushed
+            h[2][:, 5] = 0.0  # a true zero: not counted
+            made[s.id] = h
+            w.submit([ds.job(s, [x.bfloat16() for x in h])])
+    ds.lock.close()
+    back = HiddenStatesDataset(out, dequantize_dtype=torch.float32)
+    want = 0
+    for k, s in enumerate(samples):
+        for x, y in zip(made[s.id], back[k]["hidden_states"], strict=True):
+            want += int(((x.bfloat16().float() != 0) & (y == 0)).sum())
+    assert want >= 5 * sum(s.num_tokens for s in samples)
+    assert w.stats.fp8_flushed == want
+    assert w.stats.fp8_values == sum(s.num_tokens for s in samples) * len(LAYERS) * made[samples[0].id][0].shape[1]
+    note = fp8.flushed_note(w.stats.fp8_flushed, w.stats.fp8_values, "token")
+    assert note.startswith(f"fp8: {want} of {w.stats.fp8_values} hidden-state values (") and "token-layer" in note
+    assert fp8.flushed_note(0, 10, "token") is None

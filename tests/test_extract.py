@@ -95,6 +95,36 @@ def test_speculators_arrow_refuses_before_any_engine(tmp_path, monkeypatch, capl
         assert needle in caplog.text and "nothing was started or written" in caplog.text
 
 
+@pytest.mark.parametrize(("fmt", "layer_ids", "needle"), [
+    ("speculators", ["3", "1", "2"], "--format speculators: the last layer is 2, not the largest of [3, 1, 2]"),
+    ("speculators", ["1", "3", "2"], "not the largest of [1, 3, 2]"),
+    ("speculators-arrow", ["5"], "--format speculators-arrow: one layer ([5]) is the verifier's final state only"),
+])
+def test_a_layer_set_its_trainer_misreads_is_refused_before_any_engine(tmp_path, monkeypatch, caplog, fmt,
+                                                                       layer_ids, needle):
+    """speculators 0.3/0.4 take data["hidden_states"][-1] as the verifier's state: the last id must be
+    the largest; speculators >= 0.5 take every layer but the last as the draft's input: one layer gives
+    states of width 0. Both are refused (exit 2) before an engine starts or anything is written."""
+    model = model_dir(tmp_path)
+    data = jsonl(tmp_path / "d.jsonl", random_records(3))
+    out = tmp_path / "out"
+    monkeypatch.setattr(ex, "start_generator", lambda *a: pytest.fail("the engine must not start"))
+    code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
+                    "--format", fmt, "--max-seq-len", "64", "--layer-ids", *layer_ids])
+    assert code == 2 and not out.exists()
+    assert needle in caplog.text and "nothing was started or written" in caplog.text
+
+
+def test_an_ordered_speculators_layer_set_passes_the_settings_check(tmp_path):
+    """The refusal above is of the order only: the same ids with the largest last pass."""
+    cfg = ex.ExtractConfig.from_args(ex.parse_args([
+        "--model-path", str(model_dir(tmp_path)), "--prepared-data", str(tmp_path / "d.jsonl"),
+        "--output-dir", str(tmp_path / "o"), "--format", "speculators", "--max-seq-len", "64",
+        "--layer-ids", "1", "2", "3"]))
+    _info, layer_ids = ex.check_settings(cfg)
+    assert layer_ids == [1, 2, 3]
+
+
 class Gen:
     """A generator fed continuously, as speccompat.generator.stream drives one (installed by the
     ``fake_stream`` fixture): it reads ``ahead`` inputs before handing states out, hands them out in

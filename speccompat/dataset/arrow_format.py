@@ -68,13 +68,18 @@ def layer_semantics(layer_ids: list[int]) -> dict[str, Any]:
 
 def check_layers(layer_ids: list[int], num_layers: int | None = None) -> None:
     """Raise :class:`Rejected` for a layer set speculators >= 0.5 would misread: not ascending, or
-    (when ``num_layers`` is known) whose last layer is not the final decoder layer."""
+    (when ``num_layers`` is known: a set being written) one layer only, or whose last layer is not the
+    final decoder layer."""
     if not layer_ids:
         raise Rejected(f"--format {ARROW} needs at least one layer (the final decoder layer)")
     for a, b in zip(layer_ids, layer_ids[1:], strict=False):
         if b <= a:
             raise Rejected(f"--format {ARROW}: layer {b} follows layer {a}; layers must be strictly ascending "
                            f"(speculators stacks them in forward order), got {list(layer_ids)}")
+    if num_layers is not None and len(layer_ids) < 2:
+        raise Rejected(f"--format {ARROW}: one layer ({list(layer_ids)}) is the verifier's final state only: "
+                       "speculators takes every layer but the last as the draft's input, which would have width 0; "
+                       f"store at least one more layer before the final decoder layer {num_layers - 1}")
     if num_layers is not None and layer_ids[-1] != num_layers - 1:
         raise Rejected(f"--format {ARROW}: the last layer is {layer_ids[-1]}, not the final decoder layer "
                        f"{num_layers - 1}: speculators takes the last one as the verifier's final state "

@@ -7,7 +7,8 @@ Guarantees (docs/dataset.md, "The output directory"):
   not absolute, no NUL): a manifest entry naming anything else is malformed and dropped, so no
   run ever reads, writes or deletes outside ``DIR`` because of what the directory holds;
 - a lock file or sample file that is a symbolic link is refused, naming it (opened with
-  ``O_NOFOLLOW``); ``os.replace``/``unlink`` act on the link itself, never on its target;
+  ``O_NOFOLLOW``), and so is a lock file with more than one hard link (its pid would be written
+  into the other name's file); ``os.replace``/``unlink`` act on the link itself, never on its target;
 - locks are context managers (:meth:`DatasetDir.lock`): a refused open releases them;
 - a manifest is parsed once (:class:`~speccompat.dataset.manifest.Manifest`), each malformed line
   or field named with its file and line;
@@ -146,6 +147,8 @@ class DatasetDir:
         """Whether another process holds the lock file ``name`` now (it is not created when missing)."""
         if not os.path.lexists(self.path(name)):
             return False
+        with self._open_lock(name) as fd:  # a link is refused here, not taken for a holder
+            os.close(fd)
         try:
             self.lock(name).close()
         except Rejected:
@@ -240,8 +243,12 @@ class DatasetDir:
                                "set; remove the link)") from None
             raise Rejected(f"cannot create the lock file {path}: {exc.strerror}") from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise Rejected(f"{path} is not a plain file: refused as a lock file")
+            if st.st_nlink != 1:  # a hard link: writing the pid would overwrite the other name's file
+                raise Rejected(f"{path} has {st.st_nlink} hard links: refused (a lock file must be a file of the data "
+                               "set only; nothing was written to it: remove it and run again)")
             yield fd
         except BaseException:
             os.close(fd)

@@ -70,7 +70,12 @@ class _Sample:
 
 
 def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, layer_ids: list[int],
-                 dequantize_dtype: Any = None) -> tuple[_Sample, dict[int, Any]]:
+                 dequantize_dtype: Any = None, *, prov: dict[str, Any] | None = None,
+                 prov_sha: str | None = None) -> tuple[_Sample, dict[int, Any]]:
+    """One source sample, checked as it is read: its tensors against the manifest's checksums and,
+    given ``prov``, at verify's level (shapes, finite states, fp8 scales finite and positive, the
+    input's hash, the embedded provenance) on the very bytes that are converted."""
+    from .directory import _verify_contents
     from .inputs import input_digest
 
     path = src / entry["file"]
@@ -83,6 +88,15 @@ def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, lay
         w = want.get(name) or {}
         if [dtype, shape] != [w.get("dtype"), w.get("shape")] or digest(buf) != w.get("checksum"):
             raise Rejected(f"{path}: tensor {name} does not match the manifest; run `speccompat verify {src}`")
+    missing = sorted(set(want) - set(raw))
+    if missing:
+        raise Rejected(f"{path}: tensor(s) {', '.join(missing)} of the manifest are missing from the file; "
+                       f"run `speccompat verify {src}`")
+    if prov is not None:
+        found = _verify_contents(entry["file"], entry, layout, _meta, raw, prov, prov_sha)
+        if found:
+            raise Rejected(f"{src}/{found[0]}" + (f" (and {len(found) - 1} more)" if len(found) > 1 else "")
+                           + f": verify rejects this source; nothing was exported (run `speccompat verify {src}`)")
     try:
         tensors = {n: tensor_from(*v) for n, v in raw.items()}
         ids_t, mask_t, layers = decode_sample(layout.name, tensors, layer_ids, dtype=dequantize_dtype)
@@ -107,18 +121,98 @@ def _is_within(inner: Path, outer: Path) -> bool:
     return True
 
 
+def staging_dir(out: Path) -> Path:
+    """Where an export into ``out`` builds its data set: ``<out>.speccompat-export-staging``, beside
+    ``out`` (same file system, so it is published by one rename; never inside ``out``, where a
+    trainer's loader walking the directory would read a half-written set)."""
+    r = Path(os.path.abspath(out))
+    return r.with_name(r.name + EXPORT_STAGING)
+
+
+def _source_lock(src: Path) -> Any:
+    """A shared flock on the source's lock file for the export's life (None: the source has none, no
+    extraction ever ran in it). :class:`Rejected` while an extraction or a shard holds it, as merge
+    refuses: what it has not finished is not a data set to export. Opened read-only (a read-only
+    source works) and never through a link."""
+    import fcntl
+
+    from .directory import PART_LOCK_RE
+
+    sdir = DatasetDir(src)
+    names = [LOCK_NAME, *(n for n in sdir.names() if PART_LOCK_RE.match(n))]
+    held = None
+    for name in names:
+        try:
+            fd = os.open(sdir.path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise Rejected(f"{sdir.path(name)}: cannot open the source's lock file ({exc.strerror}); refused") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            if held is not None:
+                os.close(held)
+            raise Rejected(f"{src} is being written by an extraction (pid {holder}, {name}): export it when the "
+                           "extraction has ended") from None
+        if name == LOCK_NAME:
+            held = fd  # kept: no extraction starts in the source while it is read
+        else:
+            os.close(fd)
+    return held
+
+
+def _clear_staging(stage: Path) -> None:
+    """Remove a staging folder an interrupted export left, saying what it held; :class:`Rejected`
+    while another export holds it, or when it is a link or not a folder."""
+    parent = DatasetDir(stage.parent)
+    parent.check_own_dirs([stage.name])
+    sdir = DatasetDir(stage)
+    if os.path.lexists(sdir.path(LOCK_NAME)) and sdir.held(LOCK_NAME):
+        raise Rejected(f"another export is writing to {stage} (its staging folder): wait for it to end")
+    names = sdir.names()
+    entries = len(sdir.manifest().entries) if MANIFEST_NAME in names else 0
+    logger.warning("%s: found the staging folder of an interrupted export (%d file(s), %d sample(s) in its "
+                   "manifest): removed; exporting anew", stage, len([n for n in names if n != LOCK_NAME]), entries)
+    parent.remove_own_dir(stage.name)
+
+
+@contextlib.contextmanager
+def _export_words(out: Path, stage_path: Path) -> Any:
+    """The writer's failures in export's words: an export keeps no finished file and does not
+    resume (the extraction's \"finished files are kept: re-run to resume\" is not true of it)."""
+    from .errors import NoSpace, WriterFailed
+
+    try:
+        yield
+    except NoSpace as exc:
+        cause = exc.__cause__
+        why = getattr(cause, "strerror", None) or "no space left"
+        raise NoSpace(f"no space left on the file system of {stage_path} ({why}): nothing was exported and the "
+                      f"staging folder is removed; free some space (the new set needs about the source's size) "
+                      f"and run the export again") from cause
+    except WriterFailed as exc:
+        cause = exc.__cause__
+        raise WriterFailed(f"writing the new set in {stage_path} failed ({type(cause).__name__}: {cause}): nothing "
+                           f"was exported into {out}; run the export again") from cause
+
+
 def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_flight_bytes: int = 2 << 30,
                    progress: bool = True, dtype: str | None = None, fp8_scale: str | None = None) -> list[str]:
     """Convert ``src`` to layout ``to`` (a key of :data:`EXPORT_FORMATS`) in the new directory ``out``;
     returns ``verify``'s problems of the result (empty: intact, and in place). Raises :class:`Rejected`
-    when the conversion is not possible or a source file is not as its manifest says.
+    when the conversion is not possible or a source file is not as its manifest says (every file is
+    checked as it is read, at verify's level: a source verify rejects is not exported).
 
-    The new data set is written into ``out/.speccompat-export-staging`` (created anew, never through
-    a link), verified there, and only then moved into ``out``: a refused or failed export leaves
-    ``out`` as it was (empty), an interrupted one leaves only that folder, which ``verify`` and
-    ``merge`` refuse (``out`` has no manifest) and the next export removes. Nothing outside ``out``
-    is written, but for the speculators-0.4 layout's token-frequency file, which that layout keeps
-    beside the directory (``<out>.token_freq.pt``; an existing one is refused, not replaced).
+    The new data set is written into :func:`staging_dir` (``<out>.speccompat-export-staging``, beside
+    ``out``, created anew, never through a link), verified there, and only then published by renaming
+    that folder to ``out`` (an empty ``out`` is replaced): no reader ever sees part of a set in
+    ``out``. A refused or failed export leaves ``out`` as it was (empty or absent); a killed one
+    leaves only the staging folder, which the next export into ``out`` removes, saying so. The
+    speculators-0.4 layout's token-frequency file is kept beside the directory
+    (``<out>.token_freq.pt``; an existing one is refused, not replaced).
 
     ``dtype``: the stored dtype of the result (default: the source's); ``fp8``: quantized with
     ``fp8_scale`` scales (default: the source's granularity, else per token). An fp8 source is
@@ -133,13 +227,37 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
     src, out = Path(src), Path(out)
     if to not in EXPORT_FORMATS:
         raise Rejected(f"unknown format {to!r} (known: {', '.join(EXPORT_FORMATS)})")
+    if fp8_scale is not None and dtype != fp8.FP8:
+        raise Rejected(f"--fp8-scale {fp8_scale} applies to --dtype fp8 only (the result is stored as "
+                       f"{dtype or 'the source stores it'}): drop it, or pass --dtype fp8")
     if not src.is_dir():
         raise Rejected(f"{src}: not a directory")
+    src_lock = _source_lock(src)
+    try:
+        return _export_checked(src, to, out, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
+                               progress=progress, dtype=dtype, fp8_scale=fp8_scale, tqdm=tqdm, fp8=fp8,
+                               open_dataset=OpenDataset, verify=verify_dataset)
+    finally:
+        if src_lock is not None:
+            os.close(src_lock)
+
+
+def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_flight_bytes: int, progress: bool,
+                    dtype: str | None, fp8_scale: str | None, tqdm: Any, fp8: Any, open_dataset: Any,
+                    verify: Any) -> list[str]:
+    sdir = DatasetDir(src)
     m = Manifest(src).load()
+    parts = sdir.parts()
+    merge_hint = (f"; it holds {len(parts)} manifest part(s) of a sharded extraction not merged: run "
+                  f"`speccompat merge {src}` first") if parts else ""
     if m.header is None:
-        raise Rejected(f"{src}: no {MANIFEST_NAME} header: not a speccompat data set")
+        raise Rejected(f"{src}: no {MANIFEST_NAME} header: not a speccompat data set{merge_hint}")
+    if parts:
+        raise Rejected(f"{src}{merge_hint}")
     if m.problems:
         raise Rejected(f"{src}: {m.problems[0]}; run `speccompat verify {src}`")
+    if not m.entries:
+        raise Rejected(f"{src}: its manifest lists no sample: nothing to export")
     prov = m.provenance or {}
     src_layer_ids = list(prov["hidden_states"]["layer_ids"])
     src_layout = layout_named(m.header["layout"], src_layer_ids)
@@ -156,104 +274,128 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
         raise Rejected(f"{out} exists and is not a directory: export writes a new data set into a directory")
     if _is_within(out, src) or _is_within(src, out):
         raise Rejected(f"{out} and the source {src} overlap: export writes a new data set into a directory of its own")
-    created = not os.path.lexists(out)
-    if not created and any(n not in (LOCK_NAME, EXPORT_STAGING) for n in os.listdir(out)):
-        raise Rejected(f"{out} exists and is not empty: export writes a new data set")
+    stage_path = staging_dir(out)
+    if _is_within(stage_path, src):
+        raise Rejected(f"{stage_path} (where export builds the new set) is inside the source {src}")
     ddir = DatasetDir(out)
     layout = layout_named(target, layer_ids, num_layers)
     freq_final = ddir.token_freq_path() if layout.token_freq_beside else None
+    freq_staged = DatasetDir(stage_path).token_freq_path() if freq_final is not None else None
+    if os.path.lexists(out):
+        extra = [n for n in os.listdir(out) if n != LOCK_NAME]
+        if extra:
+            if freq_final is not None and freq_staged is not None and os.path.lexists(freq_staged) \
+                    and MANIFEST_NAME in extra and not os.path.lexists(stage_path) and not os.path.lexists(freq_final):
+                os.replace(freq_staged, freq_final)  # killed between the two renames of a finished export
+                logger.warning("%s: a finished export whose token-frequency file was still at %s: moved it to %s",
+                               out, freq_staged, freq_final)
+                return []
+            what = (f"it holds a data set ({MANIFEST_NAME}); " if MANIFEST_NAME in extra else "") + \
+                f"{len(extra)} name(s): {', '.join(sorted(extra)[:3])}{' ...' if len(extra) > 3 else ''}"
+            raise Rejected(f"{out} exists and is not empty ({what}): export writes a new data set; remove it or "
+                           "export into another directory")
+        if LOCK_NAME in os.listdir(out) and ddir.held(LOCK_NAME):
+            raise Rejected(f"another command is writing to {out}")
     if freq_final is not None and os.path.lexists(freq_final):
         raise Rejected(f"{freq_final} exists: the {to} layout keeps its token frequencies there; export does not "
                        "replace it (remove it, or export to another directory)")
-    ddir.ensure()
-    had_lock = os.path.lexists(ddir.path(LOCK_NAME))
+    parent = stage_path.parent
     try:
-        with ddir.lock(busy=f"another command is writing to {out}"):
-            problems = _export_staged(src, m, src_layout, src_layer_ids, to, ddir, layout, layer_ids, prov,
-                                      freq_final, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
-                                      progress=progress, tqdm=tqdm, open_dataset=OpenDataset, verify=verify_dataset,
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Rejected(f"cannot create {parent}: {exc.strerror or exc}") from None
+    pdir = DatasetDir(parent)
+    try:
+        pdir.path(stage_path.name)
+    except ValueError:
+        raise Rejected(f"{out}: its name is too long for the staging folder {stage_path.name!r} beside it") from None
+    if os.path.lexists(stage_path):
+        _clear_staging(stage_path)
+    if freq_staged is not None and os.path.lexists(freq_staged):
+        os.unlink(freq_staged)  # a leftover of an interrupted export (a file, or a link: removed itself)
+    try:
+        pdir.fresh_dir(stage_path.name)
+    except OSError as exc:
+        raise Rejected(f"cannot create {stage_path} (export builds the new set there, beside {out}): "
+                       f"{exc.strerror or exc}") from None
+    stage = DatasetDir(stage_path)
+    try:
+        with stage.lock(busy=f"another export is writing to {stage_path}"), _export_words(out, stage_path):
+            problems = _export_staged(src, m, src_layout, src_layer_ids, to, stage, layout, layer_ids, prov,
+                                      freq_staged, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
+                                      progress=progress, tqdm=tqdm, open_dataset=open_dataset, verify=verify,
                                       dtype=dtype, fp8_scale=scale)
-    except BaseException:
-        with contextlib.suppress(OSError):  # nothing this export made is left
-            if not had_lock:
-                ddir.unlink(LOCK_NAME)
-            if created:
-                os.rmdir(out)
-        raise
-    return problems
+            if problems:
+                return problems
+            # published: one rename (an empty out is replaced), then the token frequencies beside it
+            if os.path.lexists(out):
+                ddir.unlink(LOCK_NAME)  # rename replaces an empty directory only
+            os.rename(stage_path, os.path.abspath(out))
+            ddir.unlink(LOCK_NAME)  # moved with the folder; still held through its descriptor
+            if freq_final is not None and freq_staged is not None:
+                os.replace(freq_staged, freq_final)
+            fsync_dir(parent)
+            return []
+    finally:
+        if os.path.lexists(stage_path):
+            with contextlib.suppress(OSError, Rejected):
+                pdir.remove_own_dir(stage_path.name)
+        if freq_staged is not None:
+            with contextlib.suppress(OSError):
+                freq_staged.unlink()
 
 
-def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[int], to: str, ddir: DatasetDir,
-                   layout: Any, layer_ids: list[int], prov: dict[str, Any], freq_final: Path | None, *, threads: int,
+def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[int], to: str, stage: DatasetDir,
+                   layout: Any, layer_ids: list[int], prov: dict[str, Any], freq_staged: Path | None, *, threads: int,
                    max_in_flight_bytes: int, progress: bool, tqdm: Any, open_dataset: Any, verify: Any,
                    dtype: str, fp8_scale: str) -> list[str]:
+    """Write and verify the new set in ``stage``; returns verify's problems (empty: ready to publish)."""
     import torch
 
     from . import fp8
 
-    out = ddir.root
     src_dtype = prov["hidden_states"]["dtype"]
-    if os.path.lexists(ddir.path(EXPORT_STAGING)):
-        logger.info("%s: removing %s, left by an interrupted export", out, EXPORT_STAGING)
-        ddir.remove_own_dir(EXPORT_STAGING)
-    stage = DatasetDir(ddir.fresh_dir(EXPORT_STAGING))
-    freq_staged = out / f"{EXPORT_STAGING}.token_freq.pt"
-    try:
-        target = layout.name
-        new_prov = copy.deepcopy(prov)
-        new_prov["layout"] = target
-        new_prov["hidden_states"]["layer_ids"] = layer_ids
-        new_prov["hidden_states"]["dtype"] = dtype
-        new_prov["hidden_states"].pop("fp8", None)
-        if dtype == fp8.FP8:
-            new_prov["hidden_states"]["fp8"] = fp8.describe(fp8_scale)
-        new_prov["exported_from"] = {"path": str(src.resolve()), "layout": m.header["layout"], "dtype": src_dtype,
-                                     "provenance_sha256": m.header.get("provenance_sha256") or prov_mod.digest(prov),
-                                     "entries": len(m.entries)}
-        manifest = Manifest(stage.root)
-        manifest.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": target, "checksum": m.header["checksum"],
-                           "provenance": new_prov, "provenance_sha256": prov_mod.digest(new_prov)}
-        manifest.rewrite()
-        entries = sorted(m.entries.values(), key=lambda e: (e.get("line", 0), str(e["id"])))
-        files: dict[str, str] = {}
-        ds = open_dataset(stage.root, layout, manifest, new_prov, [], [], files, 0, layer_ids, dtype,
-                          int(prov["model"]["hidden_size"]))
-        # an fp8 source: its values exactly (fp8 * scale in float32), then cast or quantized again
-        exact = torch.float32 if src_dtype == fp8.FP8 else None
-        digest = digest_fn(m.header["checksum"])
-        logger.info("export %s (%s, %d samples) -> %s (%s, layers %s)", src, m.header["layout"], len(entries), out,
-                    target, layer_ids)
-        with ds.writer(threads=threads, max_in_flight_bytes=max_in_flight_bytes, check_cast=dtype != src_dtype) as w:
-            for k, e in enumerate(tqdm(entries, desc=f"export {src.name} -> {to}", unit="sample",
-                                       disable=not progress)):
-                sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids, exact)
-                files[sample.id] = layout.file_name(sample.id, k)
-                w.submit([ds.job(sample, [by_layer[i] for i in layer_ids])])
-        if w.failed:
-            sample, why = w.failed[0]
-            raise Rejected(f"{len(w.failed)} sample(s) of {src} could not be written (id {sample.id!r}: {why}); "
-                           f"nothing was exported")
-        ds.finish(freq_staged if freq_final is not None else None)  # the one finish path
-        problems, n = verify(stage.root, threads)
-        logger.info("export %s: %d samples written and verified, %d problem(s)", out, n, len(problems))
-        if problems:
-            return [f"{p} (in the staging folder; nothing was exported)" for p in problems]
-        # in place: everything but the manifest, then the manifest (until it is there, out is no data set)
-        names = [n for n in sorted(os.listdir(stage.root)) if n != MANIFEST_NAME]
-        for name in [*names, MANIFEST_NAME]:
-            os.replace(stage.path(name), ddir.path(name))
-        if freq_final is not None:
-            os.replace(freq_staged, freq_final)
-        fsync_dir(out)
-        os.rmdir(stage.root)
-        fsync_dir(out)
-        return []
-    finally:
-        if os.path.lexists(stage.root):
-            with contextlib.suppress(OSError, Rejected):
-                ddir.remove_own_dir(EXPORT_STAGING)
-        with contextlib.suppress(OSError):
-            freq_staged.unlink()
+    target = layout.name
+    new_prov = copy.deepcopy(prov)
+    new_prov["layout"] = target
+    new_prov["hidden_states"]["layer_ids"] = layer_ids
+    new_prov["hidden_states"]["dtype"] = dtype
+    new_prov["hidden_states"].pop("fp8", None)
+    if dtype == fp8.FP8:
+        new_prov["hidden_states"]["fp8"] = fp8.describe(fp8_scale)
+    new_prov["exported_from"] = {"path": str(src.resolve()), "layout": m.header["layout"], "dtype": src_dtype,
+                                 "provenance_sha256": m.header.get("provenance_sha256") or prov_mod.digest(prov),
+                                 "entries": len(m.entries)}
+    manifest = Manifest(stage.root)
+    manifest.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": target, "checksum": m.header["checksum"],
+                       "provenance": new_prov, "provenance_sha256": prov_mod.digest(new_prov)}
+    manifest.rewrite()
+    entries = sorted(m.entries.values(), key=lambda e: (e.get("line", 0), str(e["id"])))
+    files: dict[str, str] = {}
+    ds = open_dataset(stage.root, layout, manifest, new_prov, [], [], files, 0, layer_ids, dtype,
+                      int(prov["model"]["hidden_size"]))
+    # an fp8 source: its values exactly (fp8 * scale in float32), then cast or quantized again
+    exact = torch.float32 if src_dtype == fp8.FP8 else None
+    digest = digest_fn(m.header["checksum"])
+    logger.info("export %s (%s, %d samples) -> %s (%s, layers %s)", src, m.header["layout"], len(entries),
+                stage.root, target, layer_ids)
+    with ds.writer(threads=threads, max_in_flight_bytes=max_in_flight_bytes, check_cast=dtype != src_dtype) as w:
+        for k, e in enumerate(tqdm(entries, desc=f"export {src.name} -> {to}", unit="sample",
+                                   disable=not progress)):
+            sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids, exact, prov=prov,
+                                            prov_sha=m.header.get("provenance_sha256"))
+            files[sample.id] = layout.file_name(sample.id, k)
+            w.submit([ds.job(sample, [by_layer[i] for i in layer_ids])])
+    if dtype == fp8.FP8 and (note := fp8.flushed_note(w.stats.fp8_flushed, w.stats.fp8_values, fp8_scale)):
+        logger.warning("%s", note)
+    if w.failed:
+        sample, why = w.failed[0]
+        raise Rejected(f"{len(w.failed)} sample(s) of {src} could not be written (id {sample.id!r}: {why}); "
+                       f"nothing was exported")
+    ds.finish(freq_staged)  # the one finish path
+    problems, n = verify(stage.root, threads, own_lock=True)  # the staging lock is this export's
+    logger.info("export %s: %d samples written and verified, %d problem(s)", stage.root, n, len(problems))
+    return [f"{p} (in the staging folder; nothing was exported)" for p in problems]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:

@@ -92,9 +92,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "float8_e4m3fn with float32 scales, hs-connectors' fp8 schema (speculators >= 0.9 "
                          "reads it with --hidden-states-backend fp8), about half the bytes of bfloat16; "
                          "not for --format speculators (0.3/0.4 cannot read it); docs/dataset.md")
-    ap.add_argument("--fp8-scale", choices=("token", "token-layer"), default="token",
-                    help="--dtype fp8: one scale per token over all stored layers ([n,1,1], hs-connectors' own), "
-                         "or one per token and layer ([n,layers,1]: 4 more bytes per token and layer)")
+    ap.add_argument("--fp8-scale", choices=("token", "token-layer"), default=None,
+                    help="--dtype fp8 only: one scale per token over all stored layers ([n,1,1], hs-connectors' "
+                         "own; the default), or one per token and layer ([n,layers,1]: 4 more bytes per token and "
+                         "layer)")
     ap.add_argument("--on-bad-line", choices=("skip", "fail"), default="fail",
                     help="corrupt input lines: skip them with a warning, or stop before the engine starts")
     ap.add_argument("--on-long-line", choices=("truncate", "skip", "fail"), default="truncate",
@@ -224,7 +225,7 @@ class ExtractConfig:
     limit: int | None = None
     overwrite: bool = False
     dtype: str = "bfloat16"
-    fp8_scale: str = "token"
+    fp8_scale: str | None = None  # --dtype fp8: None is "token"
     on_bad_line: str = "fail"
     on_long_line: str = "truncate"
     writer_threads: int = dataclasses.field(default_factory=default_writer_threads)
@@ -385,6 +386,9 @@ def check_settings(cfg: ExtractConfig) -> Any:
 
     if why := refuse(cfg.dtype, cfg.format):  # a torch without float8_e4m3fn; the 0.3/0.4 layout
         problems.append(why)
+    if cfg.fp8_scale is not None and cfg.dtype != "fp8":
+        problems.append(f"--fp8-scale {cfg.fp8_scale} applies to --dtype fp8 only (this run stores {cfg.dtype}): "
+                        "drop it, or pass --dtype fp8")
     if problems:
         raise Rejected("the settings do not fit the model (nothing was started or written):\n  "
                        + "\n  ".join(problems))
@@ -551,7 +555,7 @@ def extract(args: ExtractConfig) -> int:
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=layer_ids, dtype=args.dtype,
                               max_seq_len=args.max_seq_len, on_long_line=args.on_long_line,
                               tensor_parallel_size=args.tp_size, layout=args.format, status=status,
-                              fp8_scale=args.fp8_scale if args.dtype == "fp8" else None)
+                              fp8_scale=(args.fp8_scale or "token") if args.dtype == "fp8" else None)
     extra = {"train_data_path": str(args.prepared_data), "gpu_memory_utilization": args.gpu_memory_utilization,
              "max_samples": args.limit}
     if shard.num_shards > 1:
@@ -566,16 +570,16 @@ def extract(args: ExtractConfig) -> int:
 
 def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids: list[int], started: float) -> int:
     from speccompat.dataset import EXIT_FAILED, EXIT_OK, WriterFailed
+    from speccompat.dataset.fp8 import flushed_note
     from speccompat.dataset.fsutil import human
     from speccompat.errors import KVCacheTooSmall
-    from speccompat.layers import describe_for_training
 
     if not ds.todo:
         if shard.num_shards == 1:
             ds.finish(args.token_freq_path)
         logger.info("nothing to do: every sample%s has an intact file in %s",
                     f" of shard {shard.index} of {shard.num_shards}" if shard.num_shards > 1 else "", args.output_dir)
-        print_result(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
+        print_result(closing_advice(args, layer_ids, info.num_layers))
         return EXIT_OK
 
     t0 = time.monotonic()
@@ -648,6 +652,8 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
             bar.close()
         stats = writer.close(raise_error=False)
         loop_end = time.monotonic()  # the extraction ends with the last file written, before the shutdown
+        if (note := flushed_note(stats.fp8_flushed, stats.fp8_values, args.fp8_scale or "token")) is not None:
+            logger.warning("%s", note)
         stop_generator(gen)
         shutdown_s = time.monotonic() - loop_end
     loop_s = max(loop_end - loop_start, 1e-9)
@@ -678,8 +684,29 @@ def _extract_into(ds: Any, args: ExtractConfig, shard: Any, info: Any, layer_ids
                      "the writer could not store fails the same way: fix or drop its input line)", len(failed))
         return EXIT_FAILED if code == EXIT_OK else code
     if code == EXIT_OK:
-        print_result(describe_for_training(layer_ids, info.num_layers, str(args.output_dir)))
+        print_result(closing_advice(args, layer_ids, info.num_layers))
     return code
+
+
+def closing_advice(args: ExtractConfig, layer_ids: list[int], num_layers: int) -> str:
+    """What the run prints at its end for the trainer: :func:`speccompat.layers.describe_for_training`,
+    for an fp8 set naming only the trainers that read fp8 (speculators >= 0.9's ``FP8Transfer``):
+    speculators 0.3/0.4 cannot read it, nor can 0.5-0.8 (no fp8 backend)."""
+    from speccompat.layers import describe_for_training
+
+    text = describe_for_training(layer_ids, num_layers, str(args.output_dir))
+    if args.dtype != "fp8":
+        return text
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("speculators 0.3/0.4:"):
+            continue  # nothing of 0.3/0.4 reads fp8: no draft of theirs is trained on this set
+        if line.startswith("speculators >= 0.5: train with "):
+            line = (f"speculators >= 0.9 (the trainers that read fp8): train with --hidden-states-backend fp8 "
+                    f"{line.removeprefix('speculators >= 0.5: train with ')}; speculators 0.3-0.8 cannot read fp8 "
+                    f"(`speccompat export {args.output_dir} --to speculators-arrow --dtype bfloat16 OUT` converts it)")
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _progress_bar(args: ExtractConfig, todo: list[Any]) -> Any:

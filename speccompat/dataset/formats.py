@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .errors import Rejected
 from .names import name_for_id
 
 __all__ = ["DTYPES", "SAFETENSORS", "SPECULATORS", "Encoded", "Layout", "encode_safetensors", "layout_named",
@@ -284,6 +285,10 @@ def layout_named(name: str, layer_ids: list[int] | None = None, num_layers: int 
     if name == SAFETENSORS:
         return Layout()
     if name == SPECULATORS:
+        if num_layers is not None and layer_ids and layer_ids[-1] != max(layer_ids):
+            raise Rejected(f"--format {SPECULATORS}: the last layer is {layer_ids[-1]}, not the largest of "
+                           f"{list(layer_ids)}: speculators 0.3/0.4 take the last one as the verifier's final state "
+                           f"(data[\"hidden_states\"][-1]); put {max(layer_ids)} last")
         lay = SpeculatorsLayout()
         lay.layer_ids = list(layer_ids or [])  # type: ignore[attr-defined]
         return lay

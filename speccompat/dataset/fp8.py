@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["FP8", "FP8_MAX", "GRANULARITIES", "SCALES", "available", "dequantize", "dequantize_layers",
-           "describe", "granularity_of", "quantize", "refuse", "refuse_unavailable", "scales_shape"]
+           "describe", "flushed_note", "granularity_of", "quantize", "refuse", "refuse_unavailable", "scales_shape"]
 
 FP8 = "fp8"
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -151,3 +151,13 @@ def dequantize_layers(layers: list[Any], scales: Any, dtype: Any = None) -> list
     dtype = dtype or torch.bfloat16
     s = scales.reshape(scales.shape[0], -1).to(dtype)  # [n, 1 or layers]
     return [q.to(dtype) * s[:, k if s.shape[1] > 1 else 0].unsqueeze(1) for k, q in enumerate(layers)]
+
+
+def flushed_note(flushed: int, values: int, granularity: str) -> str | None:
+    """What a run says about the hidden-state values fp8 stored as 0 although they were not (below
+    half of e4m3's smallest subnormal, 2^-9, at their token's scale); None when there were none."""
+    if flushed <= 0:
+        return None
+    hint = "" if granularity == "token-layer" else "; --fp8-scale token-layer (a scale per layer) keeps more of them"
+    return (f"fp8: {flushed} of {values} hidden-state values ({100 * flushed / max(values, 1):.3g}%) were not 0 but "
+            f"are stored as 0: they are below fp8's smallest step at their token's scale{hint}")

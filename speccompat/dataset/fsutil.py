@@ -1,4 +1,4 @@
-"""File-system helpers: atomic small files, directory fsync, the output directory's checks and lock.
+"""File-system helpers: atomic small files, directory fsync, the output directory's checks.
 
 The writer's own file operations go through :class:`FileOps`, so tests can make them fail the way
 a full disk does (ENOSPC) without filling one.
@@ -11,12 +11,11 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from .errors import Rejected
 
 __all__ = ["FileOps", "LOCK_NAME", "TMP_SUFFIX", "check_output_dir", "fsync_dir", "human", "is_no_space",
-           "lock_output_dir", "write_atomic"]
+           "write_atomic"]
 
 logger = logging.getLogger("speccompat.dataset")
 
@@ -141,28 +140,6 @@ def check_output_dir(out_dir: Path) -> None:
             probe.unlink()
         except OSError:
             pass
-
-
-def lock_output_dir(out_dir: Path) -> Any:
-    """An exclusive lock on ``out_dir`` for the life of the process (released on any exit, SIGKILL
-    included). Returns the open lock file: keep a reference to it."""
-    import fcntl
-
-    try:
-        handle = open(out_dir / LOCK_NAME, "a+")  # noqa: SIM115 - held until the process ends
-    except OSError as exc:
-        raise Rejected(f"cannot create the lock file in {out_dir}: {exc.strerror}") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "?"
-        raise Rejected(f"another extraction is writing to {out_dir} (pid {holder})") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
 
 
 def free_bytes(path: Path) -> int:

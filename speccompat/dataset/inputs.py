@@ -97,6 +97,17 @@ def _describe(value: Any) -> str:
     return "nothing" if value is None else type(value).__name__
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (``json`` keeps the last one without a word: which
+    ``input_ids`` or ``loss_mask`` was meant cannot be told)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise BadLine(f"duplicate key {key!r} in a JSON object: which value is meant cannot be told")
+        obj[key] = value
+    return obj
+
+
 def parse_line(raw: bytes, vocab_size: int) -> tuple[str, list[int], list[int] | None]:
     """``(id, input_ids, loss_mask or None)`` of one line; raises :class:`BadLine`."""
     from ..generator import normalize_token_ids
@@ -106,7 +117,9 @@ def parse_line(raw: bytes, vocab_size: int) -> tuple[str, list[int], list[int] |
     except UnicodeDecodeError as exc:
         raise BadLine(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except BadLine:
+        raise
     except json.JSONDecodeError as exc:
         raise BadLine(f"bad JSON: {exc.msg} at column {exc.colno}") from None
     except ValueError as exc:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
@@ -174,6 +187,8 @@ def scan_jsonl(path: Path, *, vocab_size: int, max_seq_len: int, on_bad: str = "
         for lineno, raw in enumerate(handle, start=1):
             if limit is not None and len(scan.samples) >= limit:
                 break
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a UTF-8 byte order mark (editors on Windows write one): not part of the JSON
             if not raw.strip():
                 scan.blank_lines += 1
                 continue

@@ -91,11 +91,25 @@ class OpenDataset:
                              dtype=getattr(torch, DTYPES[self.dtype][2]), checksum=self.checksum, threads=threads,
                              max_in_flight_bytes=max_in_flight_bytes, **kw)
 
+    def keep_input_order(self) -> None:
+        """Rewrite the manifest with its entries in input order (this run's samples first, in order;
+        entries of samples not in this run after them, by line) when they are not: a redone sample
+        is appended after the others, and a reader of the manifest takes its order for the input's.
+        Atomic, and nothing is written when the order is already right."""
+        position = {s.id: k for k, s in enumerate(self.samples)}
+        entries = list(self.manifest.entries.values())
+        ordered = sorted(entries, key=lambda e: (0, position[e["id"]], "") if e["id"] in position
+                         else (1, e.get("line", 0), str(e["id"])))
+        if ordered != entries:
+            self.manifest.entries = {e["file"]: e for e in ordered}
+            self.manifest.rewrite()
+
     def finish(self, token_freq_path: Path | None = None) -> None:
         """The layout's side files (speculators: data_config.json, sample_lengths.json for 0.4+, the
         token-frequency file), from every finished entry of the data set (not only this run's)."""
         from .finish import finish_dataset
 
+        self.keep_input_order()
         finish_dataset(self.dir, self.manifest, samples=self.samples, token_freq_path=token_freq_path,
                        extra=self.extra, speculators_version=self.speculators_version, changed=bool(self.todo))
 

@@ -14,6 +14,7 @@ one without a header that can be read), 130 when interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -39,9 +40,12 @@ def check_view(ddir: DatasetDir, m: Any, layout: Any = None) -> list[str]:
     return layout.check_view(ddir.root, m) if hasattr(layout, "check_view") else []
 
 
-def verify_dataset(out_dir: Path, threads: int = 4, *, view: bool = True) -> tuple[list[str], int]:
+def verify_dataset(out_dir: Path, threads: int = 4, *, view: bool = True,
+                   own_lock: bool = False) -> tuple[list[str], int]:
     """(problems, number of entries checked). ``view`` False leaves a layout's derived files
-    unchecked (a merge checks them once it has built them)."""
+    unchecked (a merge checks them once it has built them). A set a run is writing (its lock held)
+    gets that as its first problem, and its names not in the manifest are not listed (they are
+    that run's files in progress); ``own_lock``: the caller is that writer, and has finished."""
     ddir = DatasetDir(out_dir)
     m = ddir.manifest()
     problems = list(m.problems)
@@ -68,15 +72,77 @@ def verify_dataset(out_dir: Path, threads: int = 4, *, view: bool = True) -> tup
     if view:
         problems += check_view(ddir, m, layout)
     known = {MANIFEST_NAME, LOCK_NAME, *m.entries, *layout.derived_names(ddir.root)}
-    for name in ddir.names():
-        if name not in known:
-            kind = "temporary file of an interrupted run" if name.endswith(TMP_SUFFIX) else "not in the manifest"
-            if name.startswith("manifest.shard-"):
-                kind = f"a manifest part not merged: run `speccompat merge {out_dir}`"
-            if name == TRASH_NAME:
-                kind = "an interrupted --overwrite: re-run it"
-            problems.append(f"{name}: extra file ({kind})")
+    unknown = [n for n in ddir.names() if n not in known]
+    problems += links_outside(ddir, skip={*m.entries, *unknown})
+    writing = None if own_lock else being_written(ddir)
+    if writing is not None:  # what is not finished yet is no problem of the set: say so, list nothing of it
+        return [f"{MANIFEST_NAME}: the data set is being written ({writing}): only the {len(entries)} sample(s) "
+                "finished so far were checked; verify it when the run has ended", *problems], len(entries)
+    for name in unknown:
+        kind = "temporary file of an interrupted run" if name.endswith(TMP_SUFFIX) else "not in the manifest"
+        if (target := _outside_target(ddir, name)) is not None:
+            kind = f"a symbolic link to {target}, outside the data set"
+        if name.startswith("manifest.shard-"):
+            kind = f"a manifest part not merged: run `speccompat merge {out_dir}`"
+        if name == TRASH_NAME:
+            kind = "an interrupted --overwrite: re-run it"
+        problems.append(f"{name}: extra file ({kind})")
     return problems, len(entries)
+
+
+def being_written(ddir: DatasetDir) -> str | None:
+    """Who holds the data set's lock or a shard's lock now (None: no run is writing it). Probed with a
+    shared flock on a read-only descriptor: nothing is created or written, no link followed."""
+    import fcntl
+
+    from .directory import PART_LOCK_RE
+
+    for name in [LOCK_NAME, *(n for n in ddir.names() if PART_LOCK_RE.match(n))]:
+        try:
+            fd = os.open(ddir.path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            return f"pid {pid} holds {name}"
+        finally:
+            os.close(fd)
+    return None
+
+
+def _outside_target(ddir: DatasetDir, rel: str) -> str | None:
+    """The target of ``DIR/rel`` when it is a symbolic link resolving outside ``DIR`` (else None)."""
+    path = ddir.root / rel
+    if not os.path.islink(path):
+        return None
+    root = os.path.realpath(ddir.root)
+    target = os.path.realpath(path)
+    if target == root or target.startswith(root.rstrip(os.sep) + os.sep):
+        return None
+    return os.readlink(path)
+
+
+def links_outside(ddir: DatasetDir, skip: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
+    """A problem for every symbolic link among the data set's own names (manifest, lock, side and view
+    files, and the files in the folders speccompat keeps in it) that points outside the data set: a
+    reader of the set follows it. ``skip``: names already checked (the manifest's sample files)."""
+    from .directory import OWN_DIRS
+
+    found = []
+    for name in ddir.names():
+        rels = [name]
+        if name in OWN_DIRS and os.path.isdir(ddir.root / name) and not os.path.islink(ddir.root / name):
+            rels += [f"{name}/{n}" for n in sorted(os.listdir(ddir.root / name))]
+        for rel in rels:
+            if rel in skip:
+                continue
+            target = _outside_target(ddir, rel)
+            if target is not None:
+                found.append(f"{rel}: a symbolic link to {target}, outside the data set (a reader of the set "
+                             "reads that file; replace the link by the file)")
+    return found
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -93,6 +159,8 @@ def main(args: argparse.Namespace) -> int:
     if not out_dir.is_dir() or not (out_dir / MANIFEST_NAME).is_file():
         parts = ddir.parts() if out_dir.is_dir() else []
         hint = f"; it holds {len(parts)} manifest part(s): run `speccompat merge {out_dir}`" if parts else ""
+        if out_dir.is_dir() and (writing := being_written(ddir)) is not None:
+            hint = f"; it is being written ({writing}): verify it when the run has ended"
         print(f"{out_dir}: not a data set directory (no {MANIFEST_NAME}){hint}", file=sys.stderr)
         return EXIT_REJECTED
     try:

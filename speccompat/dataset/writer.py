@@ -78,6 +78,8 @@ class WriterStats:
     waited_s: float = 0.0  # time submit() blocked the caller on the in-flight budget
     waits: int = 0  # submit() calls that blocked
     peak_in_flight: int = 0
+    fp8_values: int = 0  # hidden-state values quantized to fp8
+    fp8_flushed: int = 0  # of them: nonzero, stored as 0 (below fp8's smallest step at their scale)
 
 
 class _Batch:
@@ -97,7 +99,7 @@ class DatasetWriter:
         self.out_dir, self.layout, self.manifest = Path(out_dir), layout, manifest
         self.layer_ids, self.dtype, self.check_cast = list(layer_ids), dtype, check_cast
         self.fp8_scale = fp8_scale  # quantize to fp8 with scales of this granularity (speccompat.dataset.fp8)
-        self.checksum_name, self.digest = checksum, digest_fn(checksum)
+        self.digest = digest_fn(checksum)
         self.ops = ops or FileOps()
         self.manifest.ops = self.ops  # the manifest append is one of the writer's file operations
         self.commit_failed = False  # once a commit failed, no later batch commits
@@ -213,6 +215,13 @@ class DatasetWriter:
                                         fp8_scale=self.fp8_scale)
         else:
             named = self.layout.tensors(job.sample, job.hidden_states, self.layer_ids, self.dtype)
+        flushed = values = 0
+        if self.fp8_scale is not None:  # a value that is not 0 but stored as 0: counted, the run says it
+            zeros_in = sum(int(torch.count_nonzero(h == 0)) for h in job.hidden_states)
+            values = sum(h.numel() for h in job.hidden_states)
+            zeros_out = sum(t.numel() - int(torch.count_nonzero(t.view(torch.uint8) & 0x7F))  # +0 and -0
+                            for n, t in named if n.startswith("hidden_states") and t.dtype == torch.float8_e4m3fn)
+            flushed = zeros_out - zeros_in
         if self.check_cast and self.fp8_scale is None:
             src = {h.dtype for h in job.hidden_states}
             if src != {self.dtype}:  # a cast may overflow (float32 -> float16): check what is stored
@@ -251,6 +260,8 @@ class DatasetWriter:
         entry = {**job.entry, "file": job.file, "bytes": size, "tensors": tensors}
         with self.cond:
             self.stats.write_s += time.perf_counter() - t0
+            self.stats.fp8_values += values
+            self.stats.fp8_flushed += flushed
         return tmp, entry
 
     def _commit_ready(self) -> None:
