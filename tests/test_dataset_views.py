@@ -8,7 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the layouts encode torch tensors")
 
-from speccompat.dataset.formats import layout_named, owned  # noqa: E402
+from speccompat.dataset.formats import owned  # noqa: E402
+from speccompat.dataset.layouts import layout_named  # noqa: E402
 
 
 def test_owned_clones_views_and_keeps_owners():

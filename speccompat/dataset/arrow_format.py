@@ -35,20 +35,20 @@ from pathlib import Path
 from typing import Any
 
 from .errors import Rejected
-from .formats import ARROW, Encoded, Layout, encode_safetensors, read_safetensors
-from .fsutil import fsync_dir, write_atomic
+from .formats import Encoded, Layout, encode_safetensors, read_safetensors, tensor_from
+from .fp8 import SCALES, quantize
+from .fsutil import check_own_dirs, fresh_dir, fsync_dir, own_dir_problem, remove_own_dir, write_atomic
 from .inputs import input_digest
 from .manifest import Manifest
+from .names import ARROW_BUILD_DIR, ARROW_HS_DIR, ARROW_INFO_NAME, ARROW_STATE, ARROW_TOKEN_FREQ
+from .spec import ARROW, SUFFIXES
 
 __all__ = ["ARROW", "ArrowLayout", "check_layers", "layer_semantics", "require_datasets"]
 
 logger = logging.getLogger("speccompat.dataset")
 
-HS_DIR = "hidden_states"
-INFO_NAME = "speccompat_arrow.json"
-TOKEN_FREQ = "token_freq.pt"
-STATE = "state.json"
-BUILD_DIR = ".speccompat-arrow-build"
+HS_DIR, INFO_NAME, TOKEN_FREQ, STATE, BUILD_DIR = (ARROW_HS_DIR, ARROW_INFO_NAME, ARROW_TOKEN_FREQ, ARROW_STATE,
+                                                   ARROW_BUILD_DIR)
 #: stored name in the sample file -> name in the manifest (verify and resume hash ``input_ids``)
 _FILE_NAMES = {"input_ids": "token_ids"}
 _CANONICAL = {v: k for k, v in _FILE_NAMES.items()}
@@ -99,8 +99,6 @@ def _dir_of(owner: Any) -> Path:
 
 
 def _as_tensor(dtype: str, shape: list[int], buf: memoryview) -> Any:
-    from .reader import tensor_from
-
     return tensor_from(dtype, shape, buf)
 
 
@@ -113,7 +111,7 @@ def _link(src: Path, dst: Path) -> None:
 
 class ArrowLayout(Layout):
     name = ARROW
-    suffix = ".safetensors"
+    suffix = SUFFIXES[ARROW]
     side_files = (HS_DIR, INFO_NAME, TOKEN_FREQ, STATE, "dataset_info.json")
 
     def __init__(self, layer_ids: list[int] | None = None) -> None:
@@ -132,8 +130,6 @@ class ArrowLayout(Layout):
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.num_tokens
         scales = []
         if fp8_scale is not None:
-            from .fp8 import SCALES, quantize
-
             stacked, s = quantize(hidden_states, fp8_scale, stack=True)
             scales = [(SCALES, s)]
         else:
@@ -167,14 +163,11 @@ class ArrowLayout(Layout):
         from datasets.arrow_writer import ArrowWriter
         from tqdm import tqdm
 
-        from .directory import DatasetDir
-
         out_dir = _dir_of(ddir)
-        owner = DatasetDir(out_dir)
-        owner.check_own_dirs([BUILD_DIR, HS_DIR])  # a link or a file there: refused before anything is touched
+        check_own_dirs(out_dir, [BUILD_DIR, HS_DIR])  # a link or a file there: refused before anything is touched
         entries = list(entries)
-        owner.remove_own_dir(BUILD_DIR)  # left by an interrupted build
-        build = owner.fresh_dir(BUILD_DIR)
+        remove_own_dir(out_dir, BUILD_DIR)  # left by an interrupted build
+        build = fresh_dir(out_dir, BUILD_DIR)
         os.mkdir(build / HS_DIR)
         rows = []
         writer = ArrowWriter(features=_features(), path=str(build / "rows.arrow"), writer_batch_size=1000)
@@ -267,9 +260,7 @@ def _swap_in(out_dir: Path, build: Path, freq: dict[int, int], info: dict[str, A
 
     import torch
 
-    from .directory import DatasetDir
-
-    DatasetDir(out_dir).check_own_dirs([BUILD_DIR, HS_DIR])
+    check_own_dirs(out_dir, [BUILD_DIR, HS_DIR])
     (out_dir / STATE).unlink(missing_ok=True)
     fsync_dir(out_dir)
     for p in out_dir.glob("data-*.arrow"):
@@ -289,7 +280,7 @@ def _swap_in(out_dir: Path, build: Path, freq: dict[int, int], info: dict[str, A
     fsync_dir(out_dir)
     os.replace(arrow / STATE, out_dir / STATE)
     fsync_dir(out_dir)
-    DatasetDir(out_dir).remove_own_dir(BUILD_DIR)
+    remove_own_dir(out_dir, BUILD_DIR)
 
 
 def check_view(layout: ArrowLayout, out_dir: Path, manifest: Manifest) -> list[str]:
@@ -303,9 +294,7 @@ def check_view(layout: ArrowLayout, out_dir: Path, manifest: Manifest) -> list[s
         require_datasets()
     except Rejected as exc:
         return [f"{STATE}: the Arrow view cannot be checked: {exc}"]
-    from .directory import DatasetDir
-
-    linked = [why for n in (BUILD_DIR, HS_DIR) if (why := DatasetDir(out_dir).own_dir_problem(n))]
+    linked = [why for n in (BUILD_DIR, HS_DIR) if (why := own_dir_problem(out_dir, n))]
     if linked:
         return [f"{why.removeprefix(str(out_dir) + '/')}: refused (never followed); remove it, then {rebuild}"
                 for why in linked]

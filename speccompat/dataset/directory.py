@@ -35,51 +35,44 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import fp8
 from . import provenance as prov_mod
 from .errors import Rejected
-from .fsutil import LOCK_NAME, TMP_SUFFIX, check_output_dir, free_bytes, write_atomic
-from .manifest import MANIFEST_NAME, Manifest
+from .fsutil import (
+    check_output_dir,
+    check_own_dirs,
+    free_bytes,
+    fresh_dir,
+    own_dir_problem,
+    remove_own_dir,
+    write_atomic,
+)
+from .inputs import input_digest
+from .manifest import Manifest
+from .names import (
+    EXPORT_STAGING,
+    HEADER_LOCK_NAME,
+    HEADER_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    OWN_DIRS,
+    PART_LOCK_RE,
+    PART_RE,
+    TMP_SUFFIX,
+    TRASH_NAME,
+    bad_name,
+    part_lock_name,
+    part_name,
+    token_freq_beside,
+)
+from .spec import DTYPES
 
 __all__ = ["EXPORT_STAGING", "HEADER_LOCK_NAME", "OWN_DIRS", "HEADER_NAME", "LOCK_NAME", "PART_LOCK_RE", "PART_RE", "TRASH_NAME", "DatasetDir", "DirLock", "Plan",
            "bad_name", "part_lock_name", "part_name", "plan_resume"]
 
 logger = logging.getLogger("speccompat.dataset")
 
-#: The header every shard of a data set shares (created once by the first shard).
-HEADER_NAME = "manifest.header.json"
-#: Where ``--overwrite`` moves the old set before anything new is written (removed once moved).
-TRASH_NAME = ".speccompat-overwrite"
-PART_RE = re.compile(r"^manifest\.shard-(\d+)-of-(\d+)\.jsonl$")
-PART_LOCK_RE = re.compile(r"^\.speccompat-shard-(\d+)-of-(\d+)\.lock$")
-#: Held by a shard while it decides on the shared header (short: one shard at a time).
-HEADER_LOCK_NAME = ".speccompat-header.lock"
-#: Where ``speccompat export`` builds the new data set inside its output directory.
-EXPORT_STAGING = ".speccompat-export-staging"
-#: Folders speccompat creates and deletes inside a data set (the Arrow layout's build and view
-#: folders, --overwrite's trash, export's staging): never followed when they are links.
-OWN_DIRS = (".speccompat-arrow-build", "hidden_states", TRASH_NAME, EXPORT_STAGING)
 _TMP_RE = re.compile(r"^(.*)\.\d+" + re.escape(TMP_SUFFIX) + "$")
-
-
-def part_name(index: int, num_shards: int) -> str:
-    return f"manifest.shard-{index:05d}-of-{num_shards:05d}.jsonl"
-
-
-def part_lock_name(index: int, num_shards: int) -> str:
-    return f".speccompat-shard-{index:05d}-of-{num_shards:05d}.lock"
-
-
-def bad_name(name: Any) -> str | None:
-    """Why ``name`` is not a plain file name inside a directory (None when it is one)."""
-    if not isinstance(name, str) or not name:
-        return "not a non-empty string"
-    if "/" in name or "\\" in name or "\0" in name:
-        return "contains a path separator or NUL"
-    if name in (".", ".."):
-        return "is . or .."
-    if len(name.encode("utf-8", "surrogatepass")) > 255:
-        return "is longer than 255 bytes"
-    return None
 
 
 class DirLock:
@@ -168,48 +161,25 @@ class DatasetDir:
         The directory is resolved first, so ``--output-dir .`` works."""
         if override is not None:
             return Path(override)
-        root = self.root.resolve()
-        return root.with_name(root.name + ".token_freq.pt")
+        return token_freq_beside(self.root)
 
     def own_dir_problem(self, name: str) -> str | None:
-        """Why ``DIR/name``, a folder this code creates and deletes (a build folder, the Arrow view's
-        ``hidden_states/``), must not be touched: it is a symbolic link or not a folder (None: it is
-        absent or a plain folder)."""
-        try:
-            st = os.lstat(self.path(name))
-        except FileNotFoundError:
-            return None
-        if stat.S_ISLNK(st.st_mode):
-            return f"{self.root / name} is a symbolic link"
-        if not stat.S_ISDIR(st.st_mode):
-            return f"{self.root / name} is not a folder"
-        return None
+        """Why ``DIR/name``, a folder this code creates and deletes, must not be touched
+        (:func:`speccompat.dataset.fsutil.own_dir_problem`)."""
+        return own_dir_problem(self.root, name)
 
     def check_own_dirs(self, names: tuple[str, ...] | list[str] = ()) -> None:
-        """:class:`Rejected`, before anything is deleted or moved, when one of the folders ``names``
-        (default: every folder any layout or command creates in a data set) is a symbolic link or not
-        a folder: nothing outside the directory is ever followed into."""
-        found = [why for n in (names or OWN_DIRS) if (why := self.own_dir_problem(n))]
-        if found:
-            raise Rejected("; ".join(found) + f": refused (speccompat creates and deletes that folder itself inside "
-                           f"{self.root}, and never follows a link out of it); remove it and run again")
+        """:class:`Rejected` when one of the folders ``names`` (default: every folder any layout or
+        command creates in a data set) is a symbolic link or not a folder."""
+        check_own_dirs(self.root, names or OWN_DIRS)
 
     def fresh_dir(self, name: str) -> Path:
-        """Create the folder ``DIR/name`` anew (``mkdir``: nothing of that name may exist, a symbolic
-        link included, so nothing is followed)."""
-        path = self.path(name)
-        try:
-            os.mkdir(path, 0o755)
-        except FileExistsError:
-            raise Rejected(f"{path} exists: refused (it is created anew by this command; remove it)") from None
-        return path
+        """Create the folder ``DIR/name`` anew (nothing of that name may exist)."""
+        return fresh_dir(self.root, name)
 
     def remove_own_dir(self, name: str) -> None:
-        """Delete the folder ``DIR/name`` that this code created (a leftover of an interrupted build):
-        refused when it is a symbolic link or not a folder."""
-        self.check_own_dirs([name])
-        if os.path.lexists(self.path(name)):
-            shutil.rmtree(self.path(name))
+        """Delete the folder ``DIR/name`` that this code created (refused for a link or a file)."""
+        remove_own_dir(self.root, name)
 
     def token_freq_problem(self, path: Path | str | None, flag: str = "--token-freq-path") -> str | None:
         """Why ``path`` cannot be the token-frequency file: it is inside the directory, where
@@ -441,8 +411,6 @@ def _check_scales(name: str, dtype: str, buf: memoryview, granularity: str | Non
     """Problems of an fp8 sample's ``hidden_states_scales``: float32, finite, positive."""
     import torch
 
-    from . import fp8
-
     if granularity is None:
         return [f"{name}: {fp8.SCALES} in a data set that is not fp8"]
     if dtype != "F32":
@@ -459,10 +427,6 @@ def _verify_contents(name: str, entry: dict[str, Any], layout: Any, meta: dict[s
     """The verify level's checks beyond the entry: shapes from the provenance, finiteness, the
     input's hash, the embedded provenance and id."""
     import torch
-
-    from . import fp8
-    from .formats import DTYPES
-    from .inputs import input_digest
 
     p: list[str] = []
     layer_ids = prov["hidden_states"]["layer_ids"]

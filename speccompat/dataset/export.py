@@ -25,10 +25,11 @@ from . import provenance as prov_mod
 from .checksum import digest_fn
 from .directory import EXPORT_STAGING, DatasetDir
 from .errors import DatasetError, Rejected
-from .formats import SAFETENSORS, SPECULATORS, layout_named
 from .fsutil import LOCK_NAME, fsync_dir
+from .layouts import layout_named
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .reader import decode_sample, tensor_from
+from .spec import SAFETENSORS, SPECULATORS
 
 __all__ = ["EXPORT_FORMATS", "add_parser", "export_dataset", "main"]
 

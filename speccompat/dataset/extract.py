@@ -362,7 +362,7 @@ def check_settings(cfg: ExtractConfig) -> Any:
     """:func:`preflight` on the model's config.json, and the layer ids against its layers; raises
     ``Rejected`` naming every problem. Returns ``(ModelInfo, layer ids)``."""
     from speccompat.dataset import Rejected, read_model_info
-    from speccompat.dataset.formats import layout_named
+    from speccompat.dataset.layouts import layout_named
     from speccompat.layers import LayerIdsError, _config_dict, resolve_layer_ids
 
     info = read_model_info(cfg.model_path)

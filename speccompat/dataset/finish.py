@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .directory import DatasetDir
-from .formats import layout_named
+from .layouts import layout_named
 from .manifest import Manifest
 
 __all__ = ["finish_dataset"]

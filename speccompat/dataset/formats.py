@@ -1,4 +1,5 @@
-"""On-disk layouts of one sample.
+"""The safetensors codec and the layout of one sample: :class:`Layout` (the default layout and the
+base of the others, :mod:`speccompat.dataset.layouts`).
 
 ``safetensors`` (default): ``<name_for_id(id)>.safetensors`` holding ``input_ids`` [n] int64,
 ``loss_mask`` [n] int64 (when the input has one) and ``hidden_states_<layer>`` [n, hidden] per
@@ -24,23 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import Rejected
+from .fp8 import SCALES, quantize
 from .names import name_for_id
+from .spec import ARROW, DTYPES, LAYOUTS, SAFETENSORS, SPECULATORS, SUFFIXES
 
-__all__ = ["DTYPES", "SAFETENSORS", "SPECULATORS", "Encoded", "Layout", "encode_safetensors", "layout_named",
-           "read_safetensors", "tensor_buffer"]
+__all__ = ["ARROW", "DTYPES", "LAYOUTS", "SAFETENSORS", "SPECULATORS", "Encoded", "Layout", "encode_safetensors",
+           "read_safetensors", "tensor_buffer", "tensor_from"]
 
-#: --dtype -> (bytes per element, safetensors dtype name, torch dtype name)
-DTYPES = {"bfloat16": (2, "BF16", "bfloat16"), "float16": (2, "F16", "float16"), "float32": (4, "F32", "float32"),
-          # float8_e4m3fn with float32 scales (speccompat.dataset.fp8); 4 more bytes a token (a token's scale)
-          "fp8": (1, "F8_E4M3", "float8_e4m3fn")}
 _ST_NAME = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64", "int32": "I32", "int8": "I8",
             "uint8": "U8", "float64": "F64",
             "float8_e4m3fn": "F8_E4M3"}
-SAFETENSORS, SPECULATORS = "safetensors", "speculators"
-#: the layouts this version writes and reads
-ARROW = "speculators-arrow"
-LAYOUTS = (SAFETENSORS, SPECULATORS, ARROW)
+_TORCH = {v: k for k, v in _ST_NAME.items()}
 
 
 def tensor_buffer(t: Any) -> memoryview:
@@ -65,6 +60,20 @@ def owned(t: Any) -> Any:
 
 def st_dtype(t: Any) -> str:
     return _ST_NAME[str(t.dtype).removeprefix("torch.")]
+
+
+def tensor_from(dtype: str, shape: list[int], buf: memoryview) -> Any:
+    """A tensor over ``buf`` (no copy) of safetensors dtype ``dtype`` and ``shape``."""
+    import warnings
+
+    import torch
+
+    dt = getattr(torch, _TORCH[dtype])
+    if not len(buf):
+        return torch.empty(shape, dtype=dt)
+    with warnings.catch_warnings():  # read-only mmap: the tensor is only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dt).reshape(shape)
 
 
 @dataclass
@@ -146,7 +155,7 @@ class Layout:
     """Names and file contents of one layout."""
 
     name = SAFETENSORS
-    suffix = ".safetensors"
+    suffix = SUFFIXES[SAFETENSORS]
     #: files a data set of this layout has besides the samples and the manifest
     side_files: tuple[str, ...] = ()
     #: whether :meth:`finalize` writes the token-frequency file at ``token_freq_path`` (beside the directory)
@@ -168,8 +177,6 @@ class Layout:
         if sample.loss_mask is not None:
             named.append(("loss_mask", torch.tensor(sample.loss_mask, dtype=torch.int64)))
         if fp8_scale is not None:
-            from .fp8 import SCALES, quantize
-
             if len(layer_ids) != len(hidden_states):
                 raise ValueError(f"{len(hidden_states)} hidden-state tensors for {len(layer_ids)} layer ids")
             q, scales = quantize(hidden_states, fp8_scale, stack=False)
@@ -203,93 +210,3 @@ class Layout:
         loss-masked tokens of ``entries``; ``token_freq_path``: where that file goes; ``info``: the
         header, provenance and run facts (``header``, ``provenance``, ``extra``, ``speculators_version``).
         The safetensors layout has none."""
-
-
-#: why the speculators 0.3/0.4 layout refuses fp8
-FP8_SPECULATORS_04 = ("--dtype fp8 cannot be read by speculators 0.3/0.4 (--format speculators / --to speculators-0.4): "
-                      "their Eagle3SampleFileDataset casts the stored tensors with .to(dtype) and knows no scale, so "
-                      "it would train on unscaled fp8 values; use --format speculators-arrow (speculators >= 0.9 "
-                      "reads it with FP8Transfer) or safetensors, or --dtype bfloat16")
-
-
-class SpeculatorsLayout(Layout):
-    name = SPECULATORS
-    suffix = ".pt"
-    side_files = ("data_config.json", "sample_lengths.json")
-    token_freq_beside = True
-
-    def file_name(self, sample_id: str, index: int) -> str:
-        return f"data_{index}.pt"
-
-    def is_sample_file(self, name: str) -> bool:
-        return name.startswith("data_") and name.endswith(".pt")
-
-    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any,
-                fp8_scale: str | None = None) -> list[tuple[str, Any]]:
-        import torch
-
-        if fp8_scale is not None:  # refused before anything starts (fp8.refuse_layout); never written
-            raise ValueError(FP8_SPECULATORS_04)
-        mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.num_tokens
-        named = [("input_ids", torch.tensor(sample.input_ids, dtype=torch.long)),
-                 ("loss_mask", torch.tensor(mask, dtype=torch.long))]
-        named += [(f"hidden_states_{i}", owned(h if h.dtype == dtype else h.to(dtype)))
-                  for i, h in zip(layer_ids, hidden_states, strict=True)]
-        return named
-
-    def encode(self, named: list[tuple[str, Any]], metadata: dict[str, str]) -> Encoded:
-        d = dict(named)
-        obj = {"input_ids": d["input_ids"],
-               "hidden_states": [t for n, t in named if n.startswith("hidden_states_")],
-               "loss_mask": d["loss_mask"]}
-        return Encoded(b"", [(n, st_dtype(t), list(t.shape), tensor_buffer(t)) for n, t in named], trailer=obj)
-
-    def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
-        import torch
-
-        try:
-            obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-            raise ValueError(f"torch.load failed: {type(exc).__name__}: {exc}") from None
-        if not isinstance(obj, dict) or not {"input_ids", "hidden_states", "loss_mask"} <= set(obj):
-            raise ValueError("not a speculators sample dict (input_ids, hidden_states, loss_mask)")
-        out = {"input_ids": obj["input_ids"], "loss_mask": obj["loss_mask"]}
-        layer_ids = getattr(self, "layer_ids", None) or list(range(len(obj["hidden_states"])))
-        if not isinstance(obj["hidden_states"], (list, tuple)) or not all(
-                isinstance(t, torch.Tensor) for t in [obj["input_ids"], obj["loss_mask"], *obj["hidden_states"]]):
-            raise ValueError("input_ids, loss_mask and hidden_states are not tensors")
-        if len(obj["hidden_states"]) != len(layer_ids):
-            raise ValueError(f"{len(obj['hidden_states'])} hidden-state tensors, expected {len(layer_ids)}")
-        out.update({f"hidden_states_{i}": h for i, h in zip(layer_ids, obj["hidden_states"], strict=True)})
-        return {}, {n: (st_dtype(t), list(t.shape), tensor_buffer(t)) for n, t in out.items()}, obj
-
-    def read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
-        if os.path.islink(path):
-            raise ValueError("a symbolic link (refused)")
-        return self._read(path)
-
-    def finalize(self, ddir: Any, entries: list[dict[str, Any]], *, token_freq: Any, token_freq_path: Path,
-                 info: dict[str, Any]) -> None:
-        from .speculators_format import write_side_files
-
-        write_side_files(ddir, entries, token_freq=token_freq, token_freq_path=token_freq_path, info=info)
-
-
-def layout_named(name: str, layer_ids: list[int] | None = None, num_layers: int | None = None) -> Layout:
-    """The layout ``name``; ``num_layers`` (the model's decoder layers) lets a layout refuse a layer
-    set it cannot store faithfully."""
-    if name == ARROW:
-        from .arrow_format import layout
-
-        return layout(layer_ids, num_layers)
-    if name == SAFETENSORS:
-        return Layout()
-    if name == SPECULATORS:
-        if num_layers is not None and layer_ids and layer_ids[-1] != max(layer_ids):
-            raise Rejected(f"--format {SPECULATORS}: the last layer is {layer_ids[-1]}, not the largest of "
-                           f"{list(layer_ids)}: speculators 0.3/0.4 take the last one as the verifier's final state "
-                           f"(data[\"hidden_states\"][-1]); put {max(layer_ids)} last")
-        lay = SpeculatorsLayout()
-        lay.layer_ids = list(layer_ids or [])  # type: ignore[attr-defined]
-        return lay
-    raise ValueError(f"unknown layout {name!r} (known: {', '.join(LAYOUTS)})")

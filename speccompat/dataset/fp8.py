@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .spec import FP8_SPECULATORS_04, SPECULATORS
+
 __all__ = ["FP8", "FP8_MAX", "GRANULARITIES", "SCALES", "available", "dequantize", "dequantize_layers",
            "describe", "flushed_note", "granularity_of", "quantize", "refuse", "refuse_unavailable", "scales_shape"]
 
@@ -67,9 +69,7 @@ def refuse(dtype: str, layout: str) -> str | None:
     float8_e4m3fn in torch, and a layout whose trainer reads fp8 (not speculators 0.3/0.4's)."""
     if dtype != FP8:
         return None
-    if layout == "speculators":
-        from .formats import FP8_SPECULATORS_04
-
+    if layout == SPECULATORS:
         return FP8_SPECULATORS_04
     return refuse_unavailable()
 

@@ -10,17 +10,17 @@ import errno
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from .errors import Rejected
+from .names import LOCK_NAME, TMP_SUFFIX, bad_name
 
 __all__ = ["FileOps", "LOCK_NAME", "TMP_SUFFIX", "check_output_dir", "fsync_dir", "human", "is_no_space",
            "write_atomic"]
 
 logger = logging.getLogger("speccompat.dataset")
 
-TMP_SUFFIX = ".partial"
-LOCK_NAME = ".speccompat-dataset.lock"
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
@@ -144,3 +144,55 @@ def check_output_dir(out_dir: Path) -> None:
 
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
+
+
+# -- the folders speccompat creates and deletes inside a data set -------------------------------
+
+def _own(root: Path, name: str) -> Path:
+    why = bad_name(name)
+    if why is not None:
+        raise ValueError(f"{name!r} {why}: not a file name inside {root}")
+    return Path(root) / name
+
+
+def own_dir_problem(root: Path, name: str) -> str | None:
+    """Why ``root/name``, a folder this code creates and deletes (a build folder, the Arrow view's
+    ``hidden_states/``), must not be touched: it is a symbolic link or not a folder (None: it is
+    absent or a plain folder)."""
+    try:
+        st = os.lstat(_own(root, name))
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return f"{Path(root) / name} is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{Path(root) / name} is not a folder"
+    return None
+
+
+def check_own_dirs(root: Path, names: tuple[str, ...] | list[str]) -> None:
+    """:class:`Rejected`, before anything is deleted or moved, when one of the folders ``names`` is a
+    symbolic link or not a folder: nothing outside the directory is ever followed into."""
+    found = [why for n in names if (why := own_dir_problem(root, n))]
+    if found:
+        raise Rejected("; ".join(found) + f": refused (speccompat creates and deletes that folder itself inside "
+                       f"{root}, and never follows a link out of it); remove it and run again")
+
+
+def fresh_dir(root: Path, name: str) -> Path:
+    """Create the folder ``root/name`` anew (``mkdir``: nothing of that name may exist, a symbolic
+    link included, so nothing is followed)."""
+    path = _own(root, name)
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        raise Rejected(f"{path} exists: refused (it is created anew by this command; remove it)") from None
+    return path
+
+
+def remove_own_dir(root: Path, name: str) -> None:
+    """Delete the folder ``root/name`` that this code created (a leftover of an interrupted build):
+    refused when it is a symbolic link or not a folder."""
+    check_own_dirs(root, [name])
+    if os.path.lexists(_own(root, name)):
+        shutil.rmtree(_own(root, name))

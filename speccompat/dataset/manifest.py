@@ -21,13 +21,16 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from .checksum import ALGORITHMS
+from .errors import Rejected
 from .fsutil import FileOps, write_all, write_atomic
+from .names import MANIFEST_NAME, bad_name
+from .spec import DTYPES, LAYOUTS, SUFFIXES
 
 __all__ = ["MANIFEST_NAME", "SCHEMA_VERSION", "Manifest", "entry_problem", "header_problem"]
 
 logger = logging.getLogger("speccompat.dataset")
 
-MANIFEST_NAME = "manifest.jsonl"
 SCHEMA_VERSION = 1
 
 
@@ -37,9 +40,6 @@ def _int(v: Any) -> bool:
 
 def header_problem(obj: Any) -> str | None:
     """Why ``obj`` is not a usable data-set header (None when it is one)."""
-    from .checksum import ALGORITHMS
-    from .formats import DTYPES, LAYOUTS
-
     if not isinstance(obj, dict):
         return "not a JSON object"
     if obj.get("speccompat_dataset") != SCHEMA_VERSION:
@@ -68,8 +68,6 @@ def header_problem(obj: Any) -> str | None:
 
 def entry_problem(obj: dict[str, Any], suffix: str | None) -> str | None:
     """Why ``obj`` is not a usable entry (None when it is one); ``suffix``: the layout's file suffix."""
-    from .directory import bad_name
-
     if not isinstance(obj.get("id"), str):
         return "id is not a string"
     f = obj.get("file")
@@ -112,13 +110,9 @@ class Manifest:
         except FileNotFoundError:
             return b""
         except OSError as exc:
-            from .errors import Rejected
-
             raise Rejected(f"cannot read {self.path}: {exc.strerror} (a manifest must be a plain file)") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            from .errors import Rejected
-
             raise Rejected(f"cannot read {self.path}: not a plain file (a manifest must be a plain file)")
         with os.fdopen(fd, "rb") as f:
             return f.read()
@@ -182,9 +176,7 @@ class Manifest:
             why = header_problem(obj)
             if why is None:
                 self.header = obj
-                from .formats import layout_named
-
-                self._suffix = layout_named(obj["layout"]).suffix
+                self._suffix = SUFFIXES[obj["layout"]]
             else:
                 self.header_problem = f"{where} (the header): {why}"
                 self.problems.append(self.header_problem)

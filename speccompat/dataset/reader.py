@@ -18,31 +18,15 @@ tensors are read); ``.pt`` files with ``torch.load(mmap=True)``.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
-from .formats import layout_named
-from .fp8 import SCALES
+from .formats import tensor_from
+from .fp8 import SCALES, dequantize
+from .layouts import layout_named
 from .manifest import Manifest
 
 __all__ = ["HiddenStatesDataset", "decode_sample", "tensor_from"]
-
-_TORCH = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-          "I32": "int32", "I8": "int8", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
-
-
-def tensor_from(dtype: str, shape: list[int], buf: memoryview) -> Any:
-    """A tensor over ``buf`` (no copy) of safetensors dtype ``dtype`` and ``shape``."""
-    import torch
-
-    dt = getattr(torch, _TORCH[dtype])
-    if not len(buf):
-        return torch.empty(shape, dtype=dt)
-    with warnings.catch_warnings():  # read-only mmap: the tensor is only read
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dt).reshape(shape)
-
 
 def decode_sample(layout_name: str, tensors: dict[str, Any], layer_ids: list[int], *, dtype: Any = None,
                   scale_layer_ids: list[int] | None = None) -> tuple[Any, Any, list[Any]]:
@@ -50,8 +34,6 @@ def decode_sample(layout_name: str, tensors: dict[str, Any], layer_ids: list[int
     (name -> tensor) as its layout stores them. fp8 states (a ``hidden_states_scales`` tensor beside
     them) are dequantized, ``fp8.to(dtype) * scale.to(dtype)`` (``dtype``: bfloat16 by default);
     ``scale_layer_ids``: the layer ids the scales' layer axis follows (default ``layer_ids``)."""
-    from .fp8 import SCALES, dequantize
-
     ids = tensors["input_ids"]
     mask = tensors.get("loss_mask")
     scales = tensors.get(SCALES)

@@ -51,9 +51,9 @@ from .directory import (
     plan_resume,
 )
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, DatasetError, Rejected
-from .formats import layout_named
 from .fsutil import LOCK_NAME, fsync_dir, human, write_atomic
 from .inputs import Sample
+from .layouts import layout_named
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .store import OpenDataset, differences, expected_bytes, refuse_differences, run_facts, run_info
 from .verify import check_view, verify_dataset

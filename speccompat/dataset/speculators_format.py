@@ -1,4 +1,9 @@
-"""Side files of the ``speculators`` layout, as speculators' own
+"""The ``speculators`` layout (speculators 0.3/0.4): ``data_<i>.pt``, exactly what speculators 0.3/0.4's
+``scripts/data_generation_offline.py`` writes with ``torch.save``: ``{"input_ids": LongTensor[n],
+"hidden_states": [Tensor[n, hidden], ...], "loss_mask": LongTensor[n]}`` (all ones when the input
+has no mask), read by ``speculators.train.data.Eagle3SampleFileDataset`` unchanged.
+
+Its side files, as speculators' own
 ``scripts/data_generation_offline.py`` writes them at the end of a run:
 
 - ``data_config.json``: ``DataGenerationConfig(...).to_dict()``, built with the installed
@@ -18,21 +23,23 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from packaging.version import Version
 
+from .formats import Encoded, Layout, owned, st_dtype, tensor_buffer
 from .fsutil import write_atomic
+from .names import SPECULATORS_SIDE_FILES, token_freq_beside
+from .spec import FP8_SPECULATORS_04, SPECULATORS, SUFFIXES
 
-__all__ = ["default_token_freq_path", "write_side_files"]
+__all__ = ["FP8_SPECULATORS_04", "SpeculatorsLayout", "default_token_freq_path", "write_side_files"]
 
 
 def default_token_freq_path(out_dir: Path) -> Path:
-    from .directory import DatasetDir
-
-    return DatasetDir(out_dir).token_freq_path()
+    return token_freq_beside(out_dir)
 
 
 def _data_config(entries: list[dict[str, Any]], info: dict[str, Any]) -> dict[str, Any]:
@@ -100,3 +107,64 @@ def write_side_files(ddir: Any, entries: list[dict[str, Any]], *, token_freq: An
     except (FileNotFoundError, IsADirectoryError):
         pass
     write_atomic(path, data)
+
+
+class SpeculatorsLayout(Layout):
+    name = SPECULATORS
+    suffix = SUFFIXES[SPECULATORS]
+    side_files = SPECULATORS_SIDE_FILES
+    token_freq_beside = True
+
+    def file_name(self, sample_id: str, index: int) -> str:
+        return f"data_{index}.pt"
+
+    def is_sample_file(self, name: str) -> bool:
+        return name.startswith("data_") and name.endswith(".pt")
+
+    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any,
+                fp8_scale: str | None = None) -> list[tuple[str, Any]]:
+        import torch
+
+        if fp8_scale is not None:  # refused before anything starts (fp8.refuse_layout); never written
+            raise ValueError(FP8_SPECULATORS_04)
+        mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.num_tokens
+        named = [("input_ids", torch.tensor(sample.input_ids, dtype=torch.long)),
+                 ("loss_mask", torch.tensor(mask, dtype=torch.long))]
+        named += [(f"hidden_states_{i}", owned(h if h.dtype == dtype else h.to(dtype)))
+                  for i, h in zip(layer_ids, hidden_states, strict=True)]
+        return named
+
+    def encode(self, named: list[tuple[str, Any]], metadata: dict[str, str]) -> Encoded:
+        d = dict(named)
+        obj = {"input_ids": d["input_ids"],
+               "hidden_states": [t for n, t in named if n.startswith("hidden_states_")],
+               "loss_mask": d["loss_mask"]}
+        return Encoded(b"", [(n, st_dtype(t), list(t.shape), tensor_buffer(t)) for n, t in named], trailer=obj)
+
+    def _read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
+        import torch
+
+        try:
+            obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+            raise ValueError(f"torch.load failed: {type(exc).__name__}: {exc}") from None
+        if not isinstance(obj, dict) or not {"input_ids", "hidden_states", "loss_mask"} <= set(obj):
+            raise ValueError("not a speculators sample dict (input_ids, hidden_states, loss_mask)")
+        out = {"input_ids": obj["input_ids"], "loss_mask": obj["loss_mask"]}
+        layer_ids = getattr(self, "layer_ids", None) or list(range(len(obj["hidden_states"])))
+        if not isinstance(obj["hidden_states"], (list, tuple)) or not all(
+                isinstance(t, torch.Tensor) for t in [obj["input_ids"], obj["loss_mask"], *obj["hidden_states"]]):
+            raise ValueError("input_ids, loss_mask and hidden_states are not tensors")
+        if len(obj["hidden_states"]) != len(layer_ids):
+            raise ValueError(f"{len(obj['hidden_states'])} hidden-state tensors, expected {len(layer_ids)}")
+        out.update({f"hidden_states_{i}": h for i, h in zip(layer_ids, obj["hidden_states"], strict=True)})
+        return {}, {n: (st_dtype(t), list(t.shape), tensor_buffer(t)) for n, t in out.items()}, obj
+
+    def read(self, path: Path) -> tuple[dict[str, Any], dict[str, tuple[str, list[int], memoryview]], Any]:
+        if os.path.islink(path):
+            raise ValueError("a symbolic link (refused)")
+        return self._read(path)
+
+    def finalize(self, ddir: Any, entries: list[dict[str, Any]], *, token_freq: Any, token_freq_path: Path,
+                 info: dict[str, Any]) -> None:
+        write_side_files(ddir, entries, token_freq=token_freq, token_freq_path=token_freq_path, info=info)

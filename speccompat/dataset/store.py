@@ -21,10 +21,12 @@ from . import provenance as prov_mod
 from .checksum import default_algorithm, digest_fn
 from .directory import HEADER_NAME, DatasetDir, plan_resume
 from .errors import Rejected
-from .formats import DTYPES, SPECULATORS, Layout, layout_named
+from .formats import Layout
 from .fsutil import human
 from .inputs import Sample
+from .layouts import layout_named
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
+from .spec import DTYPES, SPECULATORS
 from .writer import DatasetWriter, WriteJob
 
 __all__ = ["OpenDataset", "open_dataset"]

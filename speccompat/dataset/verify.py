@@ -25,8 +25,8 @@ from . import provenance as prov_mod
 from .checksum import digest_fn
 from .directory import TRASH_NAME, DatasetDir
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, DatasetError
-from .formats import layout_named
 from .fsutil import LOCK_NAME, TMP_SUFFIX
+from .layouts import layout_named
 from .manifest import MANIFEST_NAME
 
 __all__ = ["add_parser", "check_view", "main", "verify_dataset"]
