@@ -3,7 +3,7 @@ settings and machine.
 
     python benchmarks/serve_load.py --out benchmarks/results/serve-load-cpu.json     # nox -s serve_load
 
-1. The offline driver: ``speccompat extract --format speculators-arrow`` of the samples into /dev/shm
+1. The offline driver: ``speccompat extract --layout speculators-arrow`` of the samples into /dev/shm
    (its own summary line gives the extraction's tokens/s, engine start excluded), once before the
    server starts and once after it stopped: on a shared machine the two bound what the offline driver
    did meanwhile, and the ratios use their mean.

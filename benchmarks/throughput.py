@@ -1049,7 +1049,7 @@ def main() -> int:
                     help="driver modes: torch.set_num_threads(N) in the driver's process before anything runs "
                          "(the intra-op threads each writer thread's torch work, e.g. fp8 quantization, uses)")
     ap.add_argument("--driver-format", choices=["safetensors", "speculators-arrow"], default="safetensors",
-                    help="driver modes: the layout written (speccompat extract --format; speculators-arrow: "
+                    help="driver modes: the layout written (speccompat extract --layout; speculators-arrow: "
                          "its sample files, the trainer's view is built at the end of a job and not timed here)")
     ap.add_argument("--driver-dir", default="/dev/shm/speccompat-bench" if os.path.isdir("/dev/shm") else
                     os.path.join(tempfile.gettempdir(), "speccompat-bench"), help="driver mode: output root")

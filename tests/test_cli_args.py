@@ -3,6 +3,7 @@ any engine starts: numbers, paths, ``SPECCOMPAT_DISABLE``; and its help says wha
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import math
 import types
@@ -168,13 +169,31 @@ def test_a_missing_import_of_the_engine_is_one_line_exit_1(tmp_path, monkeypatch
     assert errors[0].exc_info is None
 
 
-def test_export_to_speculators_04_without_speculators_is_refused_before_converting(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("to", ["speculators", "speculators-0.4"])
+def test_export_to_speculators_without_speculators_is_refused_before_converting(tmp_path, capsys, monkeypatch, to):
+    """The 0.3/0.4 layout is ``--to speculators`` (its name in ``extract --layout``); the old name
+    ``speculators-0.4`` still works, with one deprecation line."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "speculators" else real(name, *a))
     monkeypatch.setattr(export, "export_dataset", lambda *a, **kw: pytest.fail("nothing may be converted"))
     out = tmp_path / "pt"
-    assert cli.main(["export", str(tmp_path), "--to", "speculators-0.4", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert err.strip() == (f"export {tmp_path}: --to speculators-0.4 needs speculators 0.3 or 0.4 installed (its "
-                           "data_config.json is written by speculators' own code), and it is not; nothing was exported")
+    assert cli.main(["export", str(tmp_path), "--to", to, str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    if to != "speculators":
+        assert err.pop(0) == "speccompat: --to speculators-0.4 is deprecated, use --to speculators"
+    assert err == [f"export {tmp_path}: --to speculators needs speculators 0.3 or 0.4 installed (its "
+                   "data_config.json is written by speculators' own code), and it is not; nothing was exported"]
     assert not out.exists()
+
+
+def test_extract_takes_the_old_format_flag_with_one_deprecation_line(capsys):
+    from speccompat.dataset import extract as ex
+
+    base = ["--model-path", "m", "--prepared-data", "d.jsonl", "--output-dir", "o"]
+    assert ex.parse_args([*base, "--layout", "speculators"]).layout == "speculators"
+    assert capsys.readouterr().err == ""
+    assert ex.parse_args([*base, "--format", "speculators-arrow"]).layout == "speculators-arrow"
+    assert capsys.readouterr().err == "speccompat: --format is deprecated, use --layout\n"
+    ap = argparse.ArgumentParser()
+    ex.add_arguments(ap)
+    assert "--format" not in ap.format_help() and "--layout" in ap.format_help()

@@ -262,7 +262,7 @@ def test_extract_refuses_fp8_before_any_engine(tmp_path, monkeypatch, caplog):
 def test_export_converts_bf16_and_fp8_both_ways_and_verifies(tmp_path):
     """export --dtype: bf16 -> fp8 (speculators-arrow) quantizes as the driver does (the same files'
     tensors as an fp8 run of the same states), fp8 -> fp8 into another layout keeps every value and
-    scale, fp8 -> bf16 gives the dequantized states; each result verifies; fp8 -> speculators-0.4 is
+    scale, fp8 -> bf16 gives the dequantized states; each result verifies; fp8 -> speculators (0.3/0.4) is
     refused, naming why, before anything is written."""
     pytest.importorskip("datasets")
     from speccompat.dataset import Rejected
@@ -292,7 +292,7 @@ def test_export_converts_bf16_and_fp8_both_ways_and_verifies(tmp_path):
     assert prov["hidden_states"]["fp8"]["dequantize"] == "hidden_states.to(dtype) * hidden_states_scales.to(dtype)"
     assert prov["exported_from"]["dtype"] == "fp8"
     with pytest.raises(Rejected, match=r"knows no scale.*pass --dtype bfloat16 to dequantize it"):
-        export_dataset(tmp_path / "q2", "speculators-0.4", tmp_path / "pt", progress=False)
+        export_dataset(tmp_path / "q2", "speculators", tmp_path / "pt", progress=False)
     assert not (tmp_path / "pt").exists()
 
 

@@ -118,7 +118,7 @@ def test_a_token_frequency_file_inside_the_output_directory_is_refused(tmp_path,
     out.mkdir()
     assert main(["merge", str(out), "--token-freq-path", str(tmp_path / "via" / "out" / "f.pt")]) == 2
     assert sorted(os.listdir(out)) == []
-    beside = ex.ExtractConfig(model_path=str(model), prepared_data=data, output_dir=out, format="speculators",
+    beside = ex.ExtractConfig(model_path=str(model), prepared_data=data, output_dir=out, layout="speculators",
                               layer_ids=[1, 2, 4, 5], token_freq_path=tmp_path / "out.freq.pt")
     assert ex.check_settings(beside)[1] == [1, 2, 4, 5]  # beside the directory: accepted
 

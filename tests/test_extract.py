@@ -96,9 +96,9 @@ def test_speculators_arrow_refuses_before_any_engine(tmp_path, monkeypatch, capl
 
 
 @pytest.mark.parametrize(("fmt", "layer_ids", "needle"), [
-    ("speculators", ["3", "1", "2"], "--format speculators: the last layer is 2, not the largest of [3, 1, 2]"),
+    ("speculators", ["3", "1", "2"], "--layout speculators: the last layer is 2, not the largest of [3, 1, 2]"),
     ("speculators", ["1", "3", "2"], "not the largest of [1, 3, 2]"),
-    ("speculators-arrow", ["5"], "--format speculators-arrow: one layer ([5]) is the verifier's final state only"),
+    ("speculators-arrow", ["5"], "--layout speculators-arrow: one layer ([5]) is the verifier's final state only"),
 ])
 def test_a_layer_set_its_trainer_misreads_is_refused_before_any_engine(tmp_path, monkeypatch, caplog, fmt,
                                                                        layer_ids, needle):

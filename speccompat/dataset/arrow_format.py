@@ -71,17 +71,17 @@ def check_layers(layer_ids: list[int], num_layers: int | None = None) -> None:
     (when ``num_layers`` is known: a set being written) one layer only, or whose last layer is not the
     final decoder layer."""
     if not layer_ids:
-        raise Rejected(f"--format {ARROW} needs at least one layer (the final decoder layer)")
+        raise Rejected(f"--layout {ARROW} needs at least one layer (the final decoder layer)")
     for a, b in zip(layer_ids, layer_ids[1:], strict=False):
         if b <= a:
-            raise Rejected(f"--format {ARROW}: layer {b} follows layer {a}; layers must be strictly ascending "
+            raise Rejected(f"--layout {ARROW}: layer {b} follows layer {a}; layers must be strictly ascending "
                            f"(speculators stacks them in forward order), got {list(layer_ids)}")
     if num_layers is not None and len(layer_ids) < 2:
-        raise Rejected(f"--format {ARROW}: one layer ({list(layer_ids)}) is the verifier's final state only: "
+        raise Rejected(f"--layout {ARROW}: one layer ({list(layer_ids)}) is the verifier's final state only: "
                        "speculators takes every layer but the last as the draft's input, which would have width 0; "
                        f"store at least one more layer before the final decoder layer {num_layers - 1}")
     if num_layers is not None and layer_ids[-1] != num_layers - 1:
-        raise Rejected(f"--format {ARROW}: the last layer is {layer_ids[-1]}, not the final decoder layer "
+        raise Rejected(f"--layout {ARROW}: the last layer is {layer_ids[-1]}, not the final decoder layer "
                        f"{num_layers - 1}: speculators takes the last one as the verifier's final state "
                        f"(add {num_layers - 1} to the layer ids)")
 
@@ -363,7 +363,7 @@ def require_datasets() -> None:
 
     missing = [m for m in ("datasets", "pyarrow") if importlib.util.find_spec(m) is None]
     if missing:
-        raise Rejected(f"--format {ARROW} needs {' and '.join(missing)}: pip install 'speccompat[arrow]'")
+        raise Rejected(f"--layout {ARROW} needs {' and '.join(missing)}: pip install 'speccompat[arrow]'")
 
 
 def layout(layer_ids: list[int] | None = None, num_layers: int | None = None) -> ArrowLayout:

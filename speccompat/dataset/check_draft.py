@@ -63,6 +63,7 @@ from ..layers import (
     training_layers,
     vllm_default_aux_ids,
 )
+from .args import positive_int_for
 from .errors import DatasetError
 from .fsutil import write_atomic
 
@@ -433,23 +434,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                        "(exit 0 consistent, 1 mismatch, 2 bad input)")
     p.add_argument("draft", type=Path, help="the trained draft's directory (its config.json) or the config.json")
     p.add_argument("dataset", type=Path, help="the data set it was trained on")
-    p.add_argument("--num-hidden-layers", type=_positive_int, default=None,
+    p.add_argument("--num-hidden-layers", type=positive_int_for("the verifier's decoder layers"), default=None,
                    help="the verifier's decoder layers, when the data set does not record them")
     p.add_argument("--fix", action="store_true", help="write the trained layers' aux ids into the draft's "
                    "config.json (the original is kept as config.json.bak)")
     p.add_argument("--vllm", metavar="VERSION", default=None,
                    help="the vLLM release that will serve the draft (default: the one installed here)")
     return p
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (the verifier's decoder layers), got {value}")
-    return value
 
 
 def _vllm_release(raw: str | None) -> Version | None:

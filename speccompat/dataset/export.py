@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from . import provenance as prov_mod
+from .args import renamed_value
 from .checksum import digest_fn
 from .directory import EXPORT_STAGING, DatasetDir
 from .errors import DatasetError, Rejected
@@ -29,14 +30,16 @@ from .fsutil import LOCK_NAME, fsync_dir
 from .layouts import layout_named
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .reader import decode_sample, tensor_from
-from .spec import SAFETENSORS, SPECULATORS
+from .spec import ARROW, SAFETENSORS, SPECULATORS
 
 __all__ = ["EXPORT_FORMATS", "add_parser", "export_dataset", "main"]
 
 logger = logging.getLogger("speccompat.dataset")
 
 #: --to name -> layout name
-EXPORT_FORMATS = {"speculators-arrow": "speculators-arrow", "speculators-0.4": SPECULATORS, "safetensors": SAFETENSORS}
+EXPORT_FORMATS = {ARROW: ARROW, SPECULATORS: SPECULATORS, SAFETENSORS: SAFETENSORS}
+#: old --to names -> the layout's one name
+RENAMED = {"speculators-0.4": SPECULATORS}
 
 
 def _plan_layers(layer_ids: list[int], num_layers: int | None, layout: str) -> list[int]:
@@ -212,7 +215,7 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
     that folder to ``out`` (an empty ``out`` is replaced): no reader ever sees part of a set in
     ``out``. A refused or failed export leaves ``out`` as it was (empty or absent); a killed one
     leaves only the staging folder, which the next export into ``out`` removes, saying so. The
-    speculators-0.4 layout's token-frequency file is kept beside the directory
+    speculators (0.3/0.4) layout's token-frequency file is kept beside the directory
     (``<out>.token_freq.pt``; an existing one is refused, not replaced).
 
     ``dtype``: the stored dtype of the result (default: the source's); ``fp8``: quantized with
@@ -226,8 +229,9 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
     from .verify import verify_dataset
 
     src, out = Path(src), Path(out)
+    to = RENAMED.get(to, to)  # the old name of a layout
     if to not in EXPORT_FORMATS:
-        raise Rejected(f"unknown format {to!r} (known: {', '.join(EXPORT_FORMATS)})")
+        raise Rejected(f"unknown layout {to!r} (known: {', '.join(EXPORT_FORMATS)})")
     if fp8_scale is not None and dtype != fp8.FP8:
         raise Rejected(f"--fp8-scale {fp8_scale} applies to --dtype fp8 only (the result is stored as "
                        f"{dtype or 'the source stores it'}): drop it, or pass --dtype fp8")
@@ -403,9 +407,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="convert a data set to another layout offline (no GPU), then verify it "
                        "(exit 0 intact, 1 problems found, 2 refused)")
     e.add_argument("dataset", type=Path, help="the source data set's directory (holds manifest.jsonl)")
-    e.add_argument("--to", required=True, choices=sorted(EXPORT_FORMATS),
-                   help="speculators-arrow: speculators >= 0.5 (Arrow + hidden_states/hs_<row>.safetensors); "
-                        "speculators-0.4: data_<i>.pt for 0.3/0.4; safetensors: speccompat's default")
+    e.add_argument("--to", required=True, choices=sorted(EXPORT_FORMATS), type=renamed_value("--to", RENAMED),
+                   help="the layout, as extract's --layout: speculators-arrow: speculators >= 0.5 "
+                        "(Arrow + hidden_states/hs_<row>.safetensors); speculators: data_<i>.pt for 0.3/0.4; "
+                        "safetensors: speccompat's default")
     e.add_argument("out", type=Path, help="the new data set's directory (must not exist, or be empty)")
     e.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "fp8"), default=None,
                    help="stored dtype of the result (default: the source's); fp8 <-> bfloat16 converts "
@@ -419,13 +424,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def speculators_missing(layout: str) -> str | None:
-    """Why ``layout`` cannot be written here before any sample is converted: the speculators-0.4
+    """Why ``layout`` cannot be written here before any sample is converted: the speculators (0.3/0.4)
     layout's data_config.json is made by speculators' own code, so speculators must be importable."""
     import importlib.util
 
-    if layout != "speculators-0.4" or importlib.util.find_spec("speculators") is not None:
+    if layout != SPECULATORS or importlib.util.find_spec("speculators") is not None:
         return None
-    return ("--to speculators-0.4 needs speculators 0.3 or 0.4 installed (its data_config.json is written by "
+    return ("--to speculators needs speculators 0.3 or 0.4 installed (its data_config.json is written by "
             "speculators' own code), and it is not; nothing was exported")
 
 

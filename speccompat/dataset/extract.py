@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .args import DeprecatedFlag, positive_finite, positive_int
+from .spec import LAYOUTS, SAFETENSORS
+
 DESCRIPTION = "Extract EAGLE-3 training hidden states (one file per sample)."
 
 logger = logging.getLogger("speccompat.extract")
@@ -68,12 +71,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prepared-data", required=True, type=Path,
                     help='JSONL from prepare_data.py: {"id", "input_ids", "loss_mask"?} per line')
     ap.add_argument("--output-dir", required=True, type=output_dir, help="the data set; re-running resumes")
-    ap.add_argument("--format", choices=("safetensors", "speculators", "speculators-arrow"), default="safetensors",
+    ap.add_argument("--layout", choices=LAYOUTS, default=SAFETENSORS,
                     help="safetensors: <id>.safetensors per sample; speculators: data_<i>.pt and "
                          "data_config.json as speculators' own data_generation_offline.py writes them "
                          "(speculators 0.3/0.4); speculators-arrow: the Arrow dataset + hidden_states/hs_<row>"
                          ".safetensors speculators >= 0.5 trains on (layers ascending, the last the final "
                          "layer; needs speccompat[arrow])")
+    ap.add_argument("--format", dest="layout", choices=LAYOUTS, action=DeprecatedFlag, new="--layout",
+                    help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=positive_int, default=None,
                     help="accepted for older commands, no longer used: samples are admitted to the engine as it "
                          "frees slots (the in-flight budget is --max-in-flight-gb)")
@@ -91,7 +96,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="dtype of the saved hidden states (the model runs in its checkpoint dtype); fp8: "
                          "float8_e4m3fn with float32 scales, hs-connectors' fp8 schema (speculators >= 0.9 "
                          "reads it with --hidden-states-backend fp8), about half the bytes of bfloat16; "
-                         "not for --format speculators (0.3/0.4 cannot read it); docs/dataset.md")
+                         "not for --layout speculators (0.3/0.4 cannot read it); docs/dataset.md")
     ap.add_argument("--fp8-scale", choices=("token", "token-layer"), default=None,
                     help="--dtype fp8 only: one scale per token over all stored layers ([n,1,1], hs-connectors' "
                          "own; the default), or one per token and layer ([n,layers,1]: 4 more bytes per token and "
@@ -107,7 +112,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="memory for states in flight: half for samples admitted to the engine and not yet "
                          "handed out, half for results not yet written (beyond it the engine waits)")
     ap.add_argument("--token-freq-path", type=Path, default=None,
-                    help="--format speculators: token-frequency file (default: <output-dir>.token_freq.pt)")
+                    help="--layout speculators: token-frequency file (default: <output-dir>.token_freq.pt)")
     ap.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING", "ERROR"), default="INFO",
                     help="the least severe log lines shown (on stderr)")
     ap.add_argument("--no-progress", dest="progress", action="store_false",
@@ -143,29 +148,6 @@ def default_writer_threads() -> int:
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 4
     return max(2, min(16, cpus))
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_finite(text: str) -> float:
-    """A number > 0 that is not nan or infinite (``--max-in-flight-gb``)."""
-    import math
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
-    return value
 
 
 def model_path(text: str) -> str:
@@ -216,7 +198,7 @@ class ExtractConfig:
     model_path: str
     prepared_data: Path
     output_dir: Path
-    format: str = "safetensors"
+    layout: str = "safetensors"
     batch_size: int | None = None  # no longer used (the engine is fed continuously); kept for older callers
     max_seq_len: int = 2048
     tp_size: int = 1
@@ -379,12 +361,12 @@ def check_settings(cfg: ExtractConfig) -> Any:
         layer_ids = []
     if layer_ids:
         try:  # a layout refuses a layer set it cannot store (speculators-arrow: also without datasets/pyarrow)
-            layout_named(cfg.format, layer_ids, info.num_layers)
+            layout_named(cfg.layout, layer_ids, info.num_layers)
         except Rejected as exc:
             problems.append(str(exc))
     from speccompat.dataset.fp8 import refuse
 
-    if why := refuse(cfg.dtype, cfg.format):  # a torch without float8_e4m3fn; the 0.3/0.4 layout
+    if why := refuse(cfg.dtype, cfg.layout):  # a torch without float8_e4m3fn; the 0.3/0.4 layout
         problems.append(why)
     if cfg.fp8_scale is not None and cfg.dtype != "fp8":
         problems.append(f"--fp8-scale {cfg.fp8_scale} applies to --dtype fp8 only (this run stores {cfg.dtype}): "
@@ -554,7 +536,7 @@ def extract(args: ExtractConfig) -> int:
     report_scan(scan, args.max_seq_len)
     prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=layer_ids, dtype=args.dtype,
                               max_seq_len=args.max_seq_len, on_long_line=args.on_long_line,
-                              tensor_parallel_size=args.tp_size, layout=args.format, status=status,
+                              tensor_parallel_size=args.tp_size, layout=args.layout, status=status,
                               fp8_scale=(args.fp8_scale or "token") if args.dtype == "fp8" else None)
     extra = {"train_data_path": str(args.prepared_data), "gpu_memory_utilization": args.gpu_memory_utilization,
              "max_samples": args.limit}

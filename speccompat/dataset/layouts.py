@@ -30,7 +30,7 @@ def layout_named(name: str, layer_ids: list[int] | None = None, num_layers: int 
         return Layout()
     if name == SPECULATORS:
         if num_layers is not None and layer_ids and layer_ids[-1] != max(layer_ids):
-            raise Rejected(f"--format {SPECULATORS}: the last layer is {layer_ids[-1]}, not the largest of "
+            raise Rejected(f"--layout {SPECULATORS}: the last layer is {layer_ids[-1]}, not the largest of "
                            f"{list(layer_ids)}: speculators 0.3/0.4 take the last one as the verifier's final state "
                            f"(data[\"hidden_states\"][-1]); put {max(layer_ids)} last")
         lay = SpeculatorsLayout()

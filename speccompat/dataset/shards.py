@@ -494,7 +494,7 @@ def add_parser(sub: Any) -> Any:
     m.add_argument("--limit", type=int, default=None, help="the extraction's --limit, if it had one")
     m.add_argument("--threads", type=int, default=4, help="files checked in parallel")
     m.add_argument("--token-freq-path", type=Path, default=None,
-                   help="--format speculators: token-frequency file (default: <dir>.token_freq.pt)")
+                   help="--layout speculators: token-frequency file (default: <dir>.token_freq.pt)")
     m.add_argument("--no-verify", action="store_true", help="join only; do not read the files back")
     return m
 

@@ -25,9 +25,9 @@ LAYOUTS = (SAFETENSORS, SPECULATORS, ARROW)
 SUFFIXES = {SAFETENSORS: ".safetensors", SPECULATORS: ".pt", ARROW: ".safetensors"}
 
 #: why the speculators 0.3/0.4 layout refuses fp8
-FP8_SPECULATORS_04 = ("--dtype fp8 cannot be read by speculators 0.3/0.4 (--format speculators / --to speculators-0.4): "
+FP8_SPECULATORS_04 = ("--dtype fp8 cannot be read by speculators 0.3/0.4 (--layout speculators / --to speculators): "
                       "their Eagle3SampleFileDataset casts the stored tensors with .to(dtype) and knows no scale, so "
-                      "it would train on unscaled fp8 values; use --format speculators-arrow (speculators >= 0.9 "
+                      "it would train on unscaled fp8 values; use --layout speculators-arrow (speculators >= 0.9 "
                       "reads it with FP8Transfer) or safetensors, or --dtype bfloat16")
 
 

@@ -6,7 +6,7 @@ tests/engine/test_serve.py, ``nox -s serve_e2e`` and benchmarks/serve_load.py.
   (its exit status kept).
 - :func:`mooncake_master`: a real ``mooncake_master`` on loopback (RPC, HTTP metadata and admin ports
   on 127.0.0.1), stopped afterwards.
-- :func:`extract_offline`: ``speccompat extract --format speculators-arrow`` of the same samples.
+- :func:`extract_offline`: ``speccompat extract --layout speculators-arrow`` of the same samples.
 - :data:`COMPARE`: speculators 0.9.0's own ``ArrowDataset`` (from the released wheel, in a fresh
   interpreter) twice over the same Arrow rows: offline (``on_missing="raise"``, the extracted set)
   and online (``on_missing="generate"`` against the server, through hs-connectors' transfer of the
@@ -135,9 +135,9 @@ def mooncake_missing() -> str | None:
 
 def extract_offline(model: Path, data: Path, out: Path, layer_ids: list[int], *, env: dict[str, str],
                     max_seq_len: int, dtype: str = "bfloat16", log: Path | None = None) -> None:
-    """``speccompat extract --format speculators-arrow`` (the offline set the server must equal)."""
+    """``speccompat extract --layout speculators-arrow`` (the offline set the server must equal)."""
     cmd = [sys.executable, "-m", "speccompat", "extract", "--model-path", str(model), "--prepared-data", str(data),
-           "--output-dir", str(out), "--format", "speculators-arrow", "--layer-ids", *map(str, layer_ids),
+           "--output-dir", str(out), "--layout", "speculators-arrow", "--layer-ids", *map(str, layer_ids),
            "--max-seq-len", str(max_seq_len), "--gpu-memory-utilization", "0.1", "--dtype", dtype, "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
     if log is not None:

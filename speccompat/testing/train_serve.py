@@ -10,7 +10,7 @@ One run (``python -m speccompat.testing.train_serve run --work DIR``):
    prepared samples: prompts of that language (loss mask
    0) followed by the target's own sampled continuation (loss mask 1), computed with transformers;
    held-out prompt sets of the language from another seed;
-2. ``speccompat extract`` of the samples twice, ``--format speculators-arrow`` and ``--format
+2. ``speccompat extract`` of the samples twice, ``--layout speculators-arrow`` and ``--layout
    speculators`` (the speculators 0.3/0.4 layout), on a real vLLM engine;
 3. training:
 
@@ -174,7 +174,7 @@ def speculators_09_path(cache: Path) -> list[str]:
 
 def extract(work: Path, fmt: str, out: Path, layer_ids: list[int], lock: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "speccompat", "extract", "--model-path", str(work / "target"),
-           "--prepared-data", str(work / "samples.jsonl"), "--output-dir", str(out), "--format", fmt,
+           "--prepared-data", str(work / "samples.jsonl"), "--output-dir", str(out), "--layout", fmt,
            "--layer-ids", *map(str, layer_ids), "--max-seq-len", "255", "--batch-size", "16",
            "--tp-size", "1", "--gpu-memory-utilization", "0.3", "--no-progress"]
     run_logged(cmd, work / "logs" / f"extract-{out.name}.log", env=_env(*speculators_04_path()), lock=lock)
