@@ -597,7 +597,7 @@ def test_a_config_and_its_flags_are_one_another(monkeypatch, tmp_path):
     from speccompat.dataset.extract import ExtractConfig, parse_args
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    changed = dict(format="speculators", batch_size=5, max_seq_len=77, tp_size=4, gpu_memory_utilization=0.25,
+    changed = dict(layout="speculators", batch_size=5, max_seq_len=77, tp_size=4, gpu_memory_utilization=0.25,
                    layer_ids=[2, 5, 9], limit=11, overwrite=True, dtype="float16", fp8_scale="token-layer",
                    on_bad_line="skip",
                    on_long_line="skip", writer_threads=3, max_in_flight_gb=2.5, token_freq_path=tmp_path / "f.pt",
