@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 WHEELS = REPO / ".envs" / "wheels"
 SPECULATORS = ("0.3.0", "0.4.0", "0.4.0.1")
 #: The wheels whose training data loader (ArrowDataset) the speculators-arrow tests run
-#: (tests/trainer_wheels.py unpacks them from here; they are not installed).
+#: (tests/support/trainer_wheels.py unpacks them from here; they are not installed).
 TRAINER_WHEELS = REPO / ".envs" / "trainer-wheels"
 TRAINERS = ("speculators==0.6.0", "speculators==0.9.0", "hs-connectors==0.9.0")
 # What `import speculators.data_generation` needs beyond what vLLM brings (measured: the import

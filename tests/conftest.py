@@ -29,11 +29,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support.engine_env import ENGINE_ENV, ENV_FILE, pool_key
 
 REPO = Path(__file__).resolve().parent.parent
-ENV_FILE = Path(os.environ.get("SPECCOMPAT_ENV_FILE") or Path(sys.prefix) / "speccompat-env.json")
-ENGINE_ENV = json.loads(ENV_FILE.read_text()) if ENV_FILE.exists() else None
-NO_APPLY = os.environ.get("SPECCOMPAT_TEST_NO_APPLY") == "1"
 
 
 #: The tests of a release's GPU proof (``--proof``), by file: ``"all"`` of them, ``"gate"`` (those the
@@ -64,16 +62,6 @@ def in_proof(item) -> bool:
         return "engine_full" not in item.keywords
     params = item.callspec.params if hasattr(item, "callspec") else {}
     return params.get("kind") in rule
-
-
-def pool_key(item) -> tuple | None:
-    """(speculators, kind, variant) of the pool engine a test declares with ``pool``, else None."""
-    mark = item.get_closest_marker("pool")
-    if mark is None:
-        return None
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    return (mark.kwargs.get("speculators", params.get("speculators", "0.4.0.1")),
-            mark.kwargs.get("kind", params.get("kind", "llama")), mark.kwargs.get("variant", ""))
 
 
 def shard(items: list, k: int, n: int) -> list:

@@ -7,8 +7,8 @@ import json
 import textwrap
 
 import pytest
-from fakes import release_facts, write_fake_speculators, write_fake_vllm
 from packaging.version import Version
+from support.fakes import release_facts, write_fake_speculators, write_fake_vllm
 
 from speccompat.matrix import known_releases
 from speccompat.registry import adapter_modules

@@ -9,9 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
-from dataset_fakes import jsonl, model_dir, random_records
 from packaging.version import Version
-from test_dataset import needs_torch, provenance, run, scan
+from support.dataset_fakes import jsonl, model_dir, random_records
+from support.dataset_runs import needs_torch, provenance, run, scan
 
 from speccompat.cli import main as cli
 from speccompat.layers import (
@@ -412,7 +412,7 @@ def test_peagle_releases_are_what_vllms_own_config_parser_does(release, tmp_path
     refuses a P-EAGLE config as :func:`refusal` says."""
     import sys
 
-    from test_static_releases import SOURCES, sc
+    from support.static_check import SOURCES, sc
 
     from speccompat.dataset.check_draft import PEAGLE_REFUSED, refusal
 

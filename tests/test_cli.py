@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENGINE_ENV
-from fakes import release_facts, write_fake_speculators, write_fake_vllm
+from support.engine_env import ENGINE_ENV
+from support.fakes import release_facts, write_fake_speculators, write_fake_vllm
 
 #: doctor looks for a scripts/mkenv.py environment description in sys.prefix; point it elsewhere.
 NO_ENV = "import sys; sys.prefix = {prefix!r}; "

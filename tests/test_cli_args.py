@@ -9,7 +9,7 @@ import math
 import types
 
 import pytest
-from dataset_fakes import jsonl, model_dir, random_records
+from support.dataset_fakes import jsonl, model_dir, random_records
 
 from speccompat import cli
 from speccompat.dataset import export

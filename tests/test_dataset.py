@@ -4,7 +4,6 @@ writer, resume with checksums, a full disk, the in-flight budget, verify, layer 
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,24 +13,16 @@ import time
 from pathlib import Path
 
 import pytest
-from dataset_fakes import HIDDEN, LAYERS, VOCAB, jsonl, model_dir, random_records, states
+from support.dataset_fakes import HIDDEN, LAYERS, VOCAB, jsonl, model_dir, random_records, states
+from support.dataset_runs import HOSTILE, manifest_entries, needs_torch, provenance, run, scan
 
 from speccompat.dataset import Rejected, name_for_id
 from speccompat.dataset.fsutil import FileOps
 from speccompat.dataset.names import id_for_name
 
-#: The writer and verify need torch; names, input checks and layer ids do not.
-needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the writer needs torch")
-
-
 # ---------------------------------------------------------------------------------------------
 # names
 # ---------------------------------------------------------------------------------------------
-
-HOSTILE = [
-    "a/b", "a_b", "a%2fb", "a_b-3ec69c85a4", "a b", "A", "a", "Ab", "aB", "..", ".", ".hidden", "a\0b", "a\\b",
-    "x" * 300, "x" * 299 + "y", "é", "e\u0301", "日本語", "%", "%25", "~", "a~b", "CON", "-", "_", "\ud800",
-]
 
 
 def test_names_are_injective_reversible_and_safe_on_case_insensitive_file_systems(tmp_path):
@@ -137,42 +128,6 @@ def test_long_lines_truncate_skip_or_fail(tmp_path):
 # a data set written from fake results
 # ---------------------------------------------------------------------------------------------
 
-def provenance(model: Path, layout: str = "safetensors", **kw):
-    from speccompat.dataset import collect_provenance, read_model_info
-
-    info = read_model_info(str(model))
-    args = dict(model_path=str(model), info=info, layer_ids=LAYERS, dtype="bfloat16", max_seq_len=64,
-                on_long_line="truncate", tensor_parallel_size=1, layout=layout,
-                status={"state": "armed", "adapter": "vllm_0_29_0", "vllm": {"raw": "0.32.0"},
-                        "speculators": {"raw": "0.4.0.1"}, "patches": [{"id": "generator.generate", "state": "pending"}]})
-    args.update(kw)
-    return collect_provenance(**args)
-
-
-def scan(path: Path, **kw):
-    from speccompat.dataset import scan_jsonl
-
-    return scan_jsonl(path, vocab_size=VOCAB, max_seq_len=64, **kw).samples
-
-
-def run(out: Path, samples, prov, *, batch: int = 3, ops=None, seed: int = 0, **kw):
-    """What the driver does after the engine started, with fake results."""
-    from speccompat.dataset import open_dataset
-
-    ds = open_dataset(out, samples, prov, **kw)
-    writer = ds.writer(threads=3, ops=ops)
-    try:
-        for k in range(0, len(ds.todo), batch):
-            writer.submit([ds.job(s, states(s, seed)) for s in ds.todo[k:k + batch]])
-    finally:
-        stats = writer.close(raise_error=False)
-        ds.lock.close()
-    err = writer.error
-    if err is not None:
-        raise err
-    ds.finish(out.with_name(out.name + ".freq.pt"))
-    return ds, stats
-
 
 @pytest.fixture
 def world(tmp_path):
@@ -180,11 +135,6 @@ def world(tmp_path):
     records = random_records(10) + [{"id": i, "input_ids": [5, 6, 7, k + 4]} for k, i in enumerate(HOSTILE[:12])]
     data = jsonl(tmp_path / "data.jsonl", records)
     return tmp_path, model, data, scan(data)
-
-
-def manifest_entries(out: Path) -> list[dict]:
-    lines = (out / "manifest.jsonl").read_text().splitlines()
-    return [json.loads(x) for x in lines[1:]]
 
 
 @needs_torch

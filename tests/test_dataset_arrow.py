@@ -8,9 +8,9 @@ import importlib.util
 import textwrap
 
 import pytest
-from dataset_fakes import LAYERS, jsonl, model_dir, random_records, states
-from test_dataset import provenance, run, scan
-from trainer_wheels import run_trainer_child
+from support.dataset_fakes import LAYERS, jsonl, model_dir, random_records, states
+from support.dataset_runs import provenance, run, scan
+from support.trainer_wheels import run_trainer_child
 
 pytest.importorskip("datasets", reason="the speculators-arrow layout needs `datasets` (speccompat[arrow])")
 #: the tests that write or read states (the writer stores torch tensors); the refusals run without it
@@ -21,8 +21,8 @@ LOADER_CHILD = textwrap.dedent('''
     import json, sys, warnings
     from pathlib import Path
     import torch
-    from dataset_fakes import states
-    from test_dataset import scan
+    from support.dataset_fakes import states
+    from support.dataset_runs import scan
     data = import_loader(Path(sys.argv[1]))
     out, inputs, version = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     samples = [s for s in scan(inputs) if s.id in set(json.loads(sys.argv[5]))]
@@ -221,7 +221,7 @@ def test_arrow_layout_shards_then_merge_number_rows_in_input_order(tmp_path):
     import argparse
 
     from datasets import load_from_disk
-    from test_shards import run_shard
+    from support.shard_runs import run_shard
 
     from speccompat.dataset import verify_dataset
     from speccompat.dataset.shards import main as merge_main

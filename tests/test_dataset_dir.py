@@ -15,14 +15,14 @@ import re
 from pathlib import Path
 
 import pytest
-from dataset_fakes import jsonl, model_dir, random_records, states
+from support.dataset_fakes import jsonl, model_dir, random_records, states
 
 from speccompat.dataset import Rejected
 from speccompat.dataset.fsutil import FileOps
 
 torch = pytest.importorskip("torch", reason="the writer needs torch")
 
-from test_dataset import manifest_entries, provenance, run, scan  # noqa: E402
+from support.dataset_runs import manifest_entries, provenance, run, scan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

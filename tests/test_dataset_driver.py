@@ -9,7 +9,7 @@ import re
 import types
 
 import pytest
-from dataset_fakes import HIDDEN, jsonl, model_dir, random_records
+from support.dataset_fakes import HIDDEN, jsonl, model_dir, random_records
 
 from speccompat.dataset import extract as ex
 

@@ -11,36 +11,22 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="fp8 data sets are made and read with torch")
 
-from dataset_fakes import LAYERS, jsonl, model_dir, random_records, states  # noqa: E402
-from test_dataset import provenance, run, scan  # noqa: E402
+from support.dataset_fakes import LAYERS, jsonl, model_dir, random_records, states  # noqa: E402
+from support.dataset_runs import provenance, run, scan  # noqa: E402
+from support.fp8_checks import rel_err, within_fp8  # noqa: E402
 
 from speccompat.dataset import fp8  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "float8_e4m3fn"), reason="this torch has no float8_e4m3fn")
-
-#: e4m3fn rounds to nearest with 3 mantissa bits: at most 2^-4 of |x| for a normal value, at most half
-#: its smallest subnormal step (2^-9 / 2) of the scale below 2^-6; bfloat16 rounds the product at 2^-8.
-REL, SUB, BF16 = 2.0 ** -4, 2.0 ** -10, 2.0 ** -8
-
-
-def within_fp8(got, want, scale):
-    """Each element of ``got`` (dequantized) within fp8's rounding of ``want``, ``scale`` broadcasting."""
-    got, want = got.double(), want.double()
-    bound = REL * want.abs() + SUB * scale.double() + BF16 * got.abs() + 1e-30
-    return bool(((got - want).abs() <= bound).all())
-
-
-def rel_err(got, want):
-    return float((got.float() - want.float()).norm() / want.float().norm())
 
 
 LOADER_CHILD = textwrap.dedent('''
     import json, sys, warnings
     from pathlib import Path
     import torch
-    from dataset_fakes import states
-    from test_dataset import scan
-    from test_dataset_fp8 import within_fp8, rel_err
+    from support.dataset_fakes import states
+    from support.dataset_runs import scan
+    from support.fp8_checks import within_fp8, rel_err
     from speccompat.dataset.reader import HiddenStatesDataset
     data = import_loader(Path(sys.argv[1]))
     from hs_connectors.transfer import FP8Transfer
@@ -84,7 +70,7 @@ def test_speculators_09_fp8_transfer_reads_the_fp8_arrow_set(tmp_path, scale):
     """speculators 0.9.0's own ArrowDataset with hs-connectors 0.9.0's FP8Transfer (the released
     wheels, a fresh interpreter) reads both scale shapes unchanged: per sample, the draft input and
     the verifier state are the bf16 states within fp8's rounding, and equal to speccompat's reader."""
-    from trainer_wheels import run_trainer_child
+    from support.trainer_wheels import run_trainer_child
 
     pytest.importorskip("datasets", reason="the speculators-arrow layout needs `datasets` (speccompat[arrow])")
     _ds, inputs, samples = _write(tmp_path, scale=scale)
@@ -302,7 +288,7 @@ def test_fp8_shards_merge_and_check_draft_facts(tmp_path):
     pytest.importorskip("datasets")
     import argparse
 
-    from test_shards import run_shard
+    from support.shard_runs import run_shard
 
     from speccompat.dataset import verify_dataset
     from speccompat.dataset.check_draft import dataset_layers

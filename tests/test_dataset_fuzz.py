@@ -48,9 +48,9 @@ EXITS = {0, 1, 2, 130}
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
-    from dataset_fakes import jsonl, model_dir, random_records
-    from test_dataset import provenance, run, scan
-    from test_shards import run_shard
+    from support.dataset_fakes import jsonl, model_dir, random_records
+    from support.dataset_runs import provenance, run, scan
+    from support.shard_runs import run_shard
 
     root = tmp_path_factory.mktemp("fuzz-bases")
     model = model_dir(root)
@@ -434,7 +434,7 @@ def test_check_draft_never_raises(bases, capsys, base, todo, config, raw, fix):
 def test_the_resume_check_and_the_input_check_only_refuse(bases, base, todo, lines, on_bad):
     """What a run does before its engine starts, on damaged files and input lines: a plan or
     :class:`Rejected`, nothing else."""
-    from test_dataset import provenance
+    from support.dataset_runs import provenance
 
     from speccompat.dataset import Rejected, open_dataset, report_scan, scan_jsonl
     from speccompat.dataset.shards import ShardSpec, open_shard

@@ -9,9 +9,9 @@ import json
 import os
 
 import pytest
-from dataset_fakes import jsonl, model_dir, random_records
-from speculators_child import needs_speculators
-from test_dataset import provenance, run, scan
+from support.dataset_fakes import jsonl, model_dir, random_records
+from support.dataset_runs import provenance, run, scan
+from support.speculators_child import needs_speculators
 
 from speccompat.cli import main
 
@@ -174,7 +174,7 @@ def test_export_to_speculators_04_keeps_its_token_frequencies_beside_and_never_r
 # ---------------------------------------------------------------------------------------------
 
 def sharded_arrow(root):
-    from test_shards import run_shard
+    from support.shard_runs import run_shard
 
     model = model_dir(root)
     samples = scan(jsonl(root / "d.jsonl", random_records(8, seed=4)))
@@ -277,7 +277,7 @@ print(json.dumps({"before": before, "loaded": loaded, "rc": rc, "after": len(aft
 def test_a_killed_export_leaves_nothing_speculators_loader_reads_and_a_rerun_recovers(tmp_path):
     """SIGKILL mid-export to speculators-0.4: speculators 0.3.0's Eagle3SampleFileDataset (every file
     ending in pt under the directory, recursively) finds no sample in OUT; the rerun exports all 20."""
-    from speculators_child import ENGINE_ENV, run_child
+    from support.speculators_child import ENGINE_ENV, run_child
 
     path = ENGINE_ENV["speculators"].get("0.3.0")
     if path is None:

@@ -8,8 +8,8 @@ import json
 import os
 
 import pytest
-from dataset_fakes import LAYERS, jsonl, model_dir, random_records, states
-from test_dataset import provenance, run, scan
+from support.dataset_fakes import LAYERS, jsonl, model_dir, random_records, states
+from support.dataset_runs import provenance, run, scan
 
 torch = pytest.importorskip("torch", reason="the data set's writer")
 

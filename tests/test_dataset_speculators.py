@@ -7,8 +7,8 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from conftest import ENGINE_ENV
-from speculators_child import REPO, needs_speculators, run_child, run_with_speculators
+from support.engine_env import ENGINE_ENV
+from support.speculators_child import REPO, needs_speculators, run_child, run_with_speculators
 
 CHILD = textwrap.dedent('''
     import json, sys
@@ -17,8 +17,8 @@ CHILD = textwrap.dedent('''
     import speccompat
     speccompat.apply()  # as the driver does: speculators' pydantic models need it on this stack
     import torch
-    from dataset_fakes import LAYERS, jsonl, model_dir, random_records, states
-    from test_dataset import provenance, run, scan
+    from support.dataset_fakes import LAYERS, jsonl, model_dir, random_records, states
+    from support.dataset_runs import provenance, run, scan
     root = Path(sys.argv[1])
     model = model_dir(root)
     recs = random_records(7, seed=3)
@@ -79,7 +79,7 @@ def test_speculators_generator_refuses_a_colliding_default_before_any_engine(tmp
         sys.path.insert(0, sys.argv[2])
         import speccompat
         speccompat.apply()
-        from dataset_fakes import model_dir
+        from support.dataset_fakes import model_dir
         from pathlib import Path
         from speculators.data_generation import VllmHiddenStatesGenerator
         model = model_dir(Path(sys.argv[1]))

@@ -8,7 +8,7 @@ import json
 import types
 
 import pytest
-from dataset_fakes import jsonl, model_dir, random_records
+from support.dataset_fakes import jsonl, model_dir, random_records
 
 from speccompat.dataset import extract as ex
 from speccompat.errors import HiddenStatesError, KVCacheTooSmall
@@ -276,7 +276,7 @@ def test_the_example_driver_and_the_cli_are_the_command(tmp_path, command):
 
 
 def test_a_bad_vllm_version_override_is_refused_naming_the_variable(tmp_path):
-    from fakes import write_fake_speculators
+    from support.fakes import write_fake_speculators
 
     site = tmp_path / "site"
     write_fake_speculators(site, "0.4.0.1")
@@ -333,7 +333,7 @@ def test_the_summary_times_the_extraction_without_the_engine_shutdown(tmp_path, 
     import re
     import time
 
-    from dataset_fakes import states
+    from support.dataset_fakes import states
 
     import speccompat
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fakes import release_facts, write_fake_speculators, write_fake_vllm
+from support.fakes import release_facts, write_fake_speculators, write_fake_vllm
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import shutil
 import struct
 
 import pytest
-from dataset_fakes import model_dir, write_safetensors
+from support.dataset_fakes import model_dir, write_safetensors
 
 from speccompat.dataset import provenance as prov_mod
 
@@ -186,9 +186,9 @@ def test_other_weight_formats_are_hashed_in_full_and_a_broken_header_is_named(tm
 
 def test_a_resume_after_a_one_byte_edit_of_the_weights_is_refused(tmp_path):
     pytest.importorskip("torch", reason="the data set's writer")
-    from dataset_fakes import jsonl, random_records
-    from test_dataset import provenance as run_provenance
-    from test_dataset import run, scan
+    from support.dataset_fakes import jsonl, random_records
+    from support.dataset_runs import provenance as run_provenance
+    from support.dataset_runs import run, scan
 
     from speccompat.dataset import Rejected, open_dataset
 
@@ -212,10 +212,10 @@ def test_a_resume_after_a_one_byte_edit_of_the_weights_is_refused(tmp_path):
 
 def test_shards_made_with_models_ten_embedding_rows_apart_are_refused_by_the_shard_and_by_merge(tmp_path, capsys):
     pytest.importorskip("torch", reason="the data set's writer")
-    from dataset_fakes import jsonl, random_records
-    from test_dataset import provenance as run_provenance
-    from test_dataset import scan
-    from test_shards import run_shard
+    from support.dataset_fakes import jsonl, random_records
+    from support.dataset_runs import provenance as run_provenance
+    from support.dataset_runs import scan
+    from support.shard_runs import run_shard
 
     from speccompat.cli import main
     from speccompat.dataset import Rejected

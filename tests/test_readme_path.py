@@ -61,7 +61,7 @@ def test_the_readmes_commands_run_verbatim_in_the_demos_environment(tmp_path):
     import json
     import os
 
-    from conftest import ENGINE_ENV, ENV_FILE
+    from support.engine_env import ENGINE_ENV, ENV_FILE
 
     from speccompat.testing.models import make_checkpoint
 

@@ -1,4 +1,4 @@
-"""``speccompat serve`` with a fake engine (states a function of the token ids; tests/serve_fakes.py):
+"""``speccompat serve`` with a fake engine (states a function of the token ids; tests/support/serve_fakes.py):
 the HTTP exchange speculators 0.9.0's client expects (its own client functions, transfers and
 ``ArrowDataset`` from the released wheels, in a fresh interpreter), the three backends' layouts, the
 batching of concurrent requests, the refusals and errors, handles deleted or expired, SIGTERM, and
@@ -21,8 +21,8 @@ pytest.importorskip("starlette", reason="speccompat serve needs starlette and uv
 pytest.importorskip("uvicorn", reason="speccompat serve needs starlette and uvicorn (speccompat[serve])")
 torch = pytest.importorskip("torch")
 
-from dataset_fakes import HIDDEN, LAYERS, VOCAB, model_dir  # noqa: E402
-from serve_fakes import (  # noqa: E402
+from support.dataset_fakes import HIDDEN, LAYERS, VOCAB, model_dir  # noqa: E402
+from support.serve_fakes import (  # noqa: E402
     FATAL,
     MOONCAKE_DIR,
     POISON,
@@ -126,7 +126,7 @@ LOADER = textwrap.dedent('''
     from speculators.data_generation.offline import check_hidden_states
     from hs_connectors.transfer import FileTransfer, FP8Transfer, MooncakeTransfer
     from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
-    from serve_fakes import fake_states
+    from support.serve_fakes import fake_states
     specs, rows = json.loads(sys.argv[2]), json.loads(Path(sys.argv[3]).read_text())
     out = []
     for spec in specs:
@@ -171,7 +171,7 @@ LOADER = textwrap.dedent('''
 def run_loader(specs: list[dict], rows, tmp_path, extra_path=()):
     """speculators 0.9.0's client and ArrowDataset against each server of ``specs`` (url, backend, and
     for mooncake master and meta), in one fresh interpreter."""
-    from trainer_wheels import run_trainer_child
+    from support.trainer_wheels import run_trainer_child
 
     rows_path = tmp_path / "rows.json"
     rows_path.write_text(json.dumps(rows))
@@ -235,7 +235,7 @@ OFFLINE_GENERATION = textwrap.dedent('''
     from safetensors.torch import load_file
     import_loader(Path(sys.argv[1]))
     from speculators.cli.generate_offline_data import _generate_and_save_hidden_states
-    from serve_fakes import fake_states
+    from support.serve_fakes import fake_states
     url, rows, work = sys.argv[2], json.loads(Path(sys.argv[3]).read_text()), Path(sys.argv[4])
     ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[1] * len(r) for r in rows],
                                      "seq_len": [len(r) for r in rows]})
@@ -257,7 +257,7 @@ def test_speculators_09_offline_generation(model, tmp_path):
     """speculators 0.9.0's own offline data generation (``generate_offline_data``'s loop, 4 concurrent
     workers, ``--validate-outputs``) against the server moves every file to ``hs_<row>.safetensors``
     with the row's states."""
-    from trainer_wheels import run_trainer_child
+    from support.trainer_wheels import run_trainer_child
 
     hs = tmp_path / "hs"
     rows = prompts(9, seed=10)
@@ -460,7 +460,7 @@ def test_sigterm_finishes_requests_in_flight(model, tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     hs = tmp_path / "hs"
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "serve_fakes.py"), "--model-path", str(model),
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "support" / "serve_fakes.py"), "--model-path", str(model),
                              *ARGS, "--hidden-states-dir", str(hs)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "FAKE_DELAY": "1.0", "PYTHONPATH": str(REPO)})
     try:
@@ -518,12 +518,12 @@ def test_mooncake_backend_with_a_real_master(model, tmp_path, monkeypatch):
 def test_the_server_imports_only_the_standard_library_at_module_level():
     """``speccompat serve`` loads starlette, uvicorn and torch only when it runs (vLLM's spawned workers
     re-import the command's modules); tests/test_walls.py keeps it in the data product's wing."""
-    from test_walls import DATA, _imports
-    from test_walls import REPO as ROOT
+    from speccompat.testing import layering
 
-    assert "speccompat.serve" in DATA
+    ROOT = Path(__file__).resolve().parent.parent
+    assert layering.floor_of("speccompat.serve") is not None
     files = list((ROOT / "speccompat" / "serve").glob("*.py"))
     assert len(files) >= 5
-    top = [(f.name, name) for f in files for name, at_top in _imports(f) if at_top
+    top = [(f.name, name) for f in files for name, at_top in layering.imports(ROOT, f) if at_top
            and name.split(".")[0] not in set(sys.stdlib_module_names) | {"speccompat", "__future__"}]
     assert not top, f"module-level imports beyond the standard library: {top}"

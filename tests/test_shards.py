@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from dataset_fakes import jsonl, model_dir, random_records, states
+from support.dataset_fakes import jsonl, model_dir, random_records, states
 
 from speccompat.dataset import Rejected
 from speccompat.dataset.shards import (
@@ -29,7 +29,8 @@ from speccompat.dataset.shards import (
 
 torch = pytest.importorskip("torch", reason="the writer needs torch")
 
-from test_dataset import HOSTILE, provenance, scan  # noqa: E402
+from support.dataset_runs import HOSTILE, provenance, scan  # noqa: E402
+from support.shard_runs import run_shard  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # the shard function
@@ -106,24 +107,6 @@ def test_shards_from_slurm_arrays_rank_world_size_with_auto_and_from_flags():
 # ---------------------------------------------------------------------------------------------
 # parts, resume across shards, merge
 # ---------------------------------------------------------------------------------------------
-
-
-def run_shard(out: Path, samples, prov, k: int, n: int, *, batches: int | None = None, batch: int = 2, seed: int = 0,
-              command: str | None = None):
-    """One shard as the driver runs it, with fake results; ``batches``: stop after that many;
-    ``command``: the command its header records (default: this process's)."""
-    ds = open_shard(out, samples, prov, ShardSpec(n, k, "test"), extra={"command": command} if command else None)
-    writer = ds.writer(threads=2)
-    todo = ds.todo[: None if batches is None else batches * batch]
-    try:
-        for first in range(0, len(todo), batch):
-            writer.submit([ds.job(s, states(s, seed)) for s in todo[first:first + batch]])
-    finally:
-        writer.close(raise_error=False)
-        for h in ds.lock:
-            h.close()
-    assert writer.error is None
-    return ds
 
 
 def run_single(out: Path, samples, prov):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import textwrap
 
-from speculators_child import needs_speculators, run_with_speculators
+from support.speculators_child import needs_speculators, run_with_speculators
 
 CHILD = textwrap.dedent('''
     import json, sys
@@ -15,9 +15,9 @@ CHILD = textwrap.dedent('''
     sys.path.insert(0, sys.argv[2])
     import speccompat
     speccompat.apply()
-    from dataset_fakes import jsonl, model_dir, random_records
-    from test_dataset import provenance, run, scan
-    from test_shards import run_shard
+    from support.dataset_fakes import jsonl, model_dir, random_records
+    from support.dataset_runs import provenance, run, scan
+    from support.shard_runs import run_shard
     from speccompat.dataset.shards import finish_job, find_parts
     root = Path(sys.argv[1])
     model = model_dir(root)
@@ -71,9 +71,9 @@ CHILD_MERGE_AND_LIMIT = textwrap.dedent('''
     sys.path.insert(0, sys.argv[2])
     import speccompat
     speccompat.apply()
-    from dataset_fakes import jsonl, model_dir, random_records
-    from test_dataset import provenance, run, scan
-    from test_shards import run_shard
+    from support.dataset_fakes import jsonl, model_dir, random_records
+    from support.dataset_runs import provenance, run, scan
+    from support.shard_runs import run_shard
     from speccompat.cli import main as cli_main
     root = Path(sys.argv[1])
     model = model_dir(root)

@@ -13,7 +13,6 @@ a name that the static probe must follow, and the ways it must *not* be fooled.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
+from support.static_check import SOURCES, sc
 
 from speccompat.probe import Symbol, check_live
 from speccompat.registry import adapter_modules, all_adapters, by_version
@@ -31,21 +31,11 @@ REPO = Path(__file__).resolve().parent.parent
 EVIDENCE = REPO / "evidence" / "static" / "releases.json"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("static_check", REPO / "scripts" / "static_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("static_check", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-sc = _load_script()
 
 #: One release per adapter boundary: the first release of every adapter module.
 SAMPLE = sorted({str(since) for since, _ in adapter_modules()}, key=Version)
 ALL = os.environ.get("SPECCOMPAT_STATIC_ALL") == "1"
 RELEASES = list(sc.RELEASES) if ALL else SAMPLE
-SOURCES = Path(os.environ["SPECCOMPAT_STATIC_SOURCES"]) if os.environ.get("SPECCOMPAT_STATIC_SOURCES") else None
 REQUIRE = os.environ.get("SPECCOMPAT_STATIC_REQUIRE") == "1"
 INSTALLED = sc.installed_vllm()
 

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from fakes import release_facts, write_fake_speculators, write_fake_vllm
 from packaging.version import Version
-from test_new_release import _tree
+from support.fakes import release_facts, write_fake_speculators, write_fake_vllm
+from support.release_tree import release_tree as _tree
 
 from speccompat import watch as w
 from speccompat.evidence import cli as matrix_cli

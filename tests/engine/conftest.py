@@ -20,7 +20,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-from conftest import ENGINE_ENV, NO_APPLY, pool_key
+from support.engine_env import ENGINE_ENV, NO_APPLY, pool_key
 
 from speccompat.evidence.capture_path import code_record
 from speccompat.matrix import known_speculators

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from conftest import ENGINE_ENV
+from support.engine_env import ENGINE_ENV
 
 from speccompat.testing.parity import measure, violations
 

@@ -32,7 +32,7 @@ CHILD = textwrap.dedent('''
 @pytest.mark.parametrize("kind", ["llama", "kimi_k25"])
 def test_driver_speculators_arrow_is_read_by_speculators_09_and_06_loaders(engines, tmp_path, kind):
     import torch
-    from trainer_wheels import run_trainer_child
+    from support.trainer_wheels import run_trainer_child
 
     pytest.importorskip("datasets", reason="--format speculators-arrow needs `datasets` (speccompat[arrow])")
     skip_unless_model_runs(kind)

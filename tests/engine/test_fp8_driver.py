@@ -35,8 +35,8 @@ CHILD = textwrap.dedent('''
 @pytest.mark.parametrize("kind", ["llama", "kimi_k25"])
 def test_driver_fp8_is_read_by_speculators_09_fp8_transfer(engines, tmp_path, kind):
     import torch
-    from test_dataset_fp8 import rel_err, within_fp8
-    from trainer_wheels import run_trainer_child
+    from support.fp8_checks import rel_err, within_fp8
+    from support.trainer_wheels import run_trainer_child
 
     from speccompat.dataset.fp8 import dequantize, quantize
 

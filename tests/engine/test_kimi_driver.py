@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ENGINE_ENV
+from support.engine_env import ENGINE_ENV
 
 from speccompat.testing.parity import measure, violations
 

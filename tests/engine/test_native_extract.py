@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ENGINE_ENV
+from support.engine_env import ENGINE_ENV
 
 from speccompat.testing.serving import agreement
 

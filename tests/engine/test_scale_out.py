@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENGINE_ENV
+from support.engine_env import ENGINE_ENV
 
 from .crash_hook import crash_env, crashed_after
 

@@ -22,7 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import ENGINE_ENV
+from support.engine_env import ENGINE_ENV
 
 from speccompat.testing.online import (
     COMPARE,
@@ -102,7 +102,7 @@ def server_args(case: Case, backend: str, hs: Path, extra: list[str] = ()) -> li
 
 
 def compare(case: Case, server: ServerProcess, backend: str, tag: str, extra: list[str] = ()) -> dict:
-    from trainer_wheels import run_trainer_child
+    from support.trainer_wheels import run_trainer_child
 
     fp8_offline = backend == "fp8" and "fp8-offline" in extra
     offline = case.offline_set("fp8" if fp8_offline else "bfloat16")
@@ -163,7 +163,7 @@ def test_online_equals_the_generator_and_concurrent_clients(engines, tmp_path):
     bit; then 80 requests from 24 concurrent tasks of speculators' own generate_hidden_states_async,
     each answer its own prompt's states; the server exits 0 on SIGTERM and leaves no file behind."""
     import torch
-    from trainer_wheels import run_trainer_child
+    from support.trainer_wheels import run_trainer_child
 
     pytest.importorskip("datasets", reason="speculators' ArrowDataset needs `datasets` (speccompat[arrow])")
     model = engines.checkpoint("llama")

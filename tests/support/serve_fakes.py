@@ -2,7 +2,7 @@
 the token ids, a server in a thread of the test process (or, run as a script, in a process of its
 own, for signals); the real ``mooncake_master`` on loopback is speccompat.testing.online's.
 
-    python tests/serve_fakes.py MODEL_DIR ARGS...   # speccompat serve ARGS with the fake engine
+    python tests/support/serve_fakes.py MODEL_DIR ARGS...   # speccompat serve ARGS with the fake engine
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from dataset_fakes import HIDDEN, LAYERS, VOCAB  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run as a script: the repository and tests/support's parent
 
 from speccompat.testing.online import MOONCAKE_DIR, free_port, mooncake_master, mooncake_missing  # noqa: E402,F401
+from support.dataset_fakes import HIDDEN, LAYERS, VOCAB  # noqa: E402
 
 POISON = VOCAB - 1  # a prompt holding this token gets non-finite states from the fake engine
 FATAL = VOCAB - 2  # ... and this one kills the fake engine

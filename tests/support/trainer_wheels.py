@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".envs" / "trainer-wheels"
 #: speculators version -> the wheels its training data loader needs
 TRAINERS = {"0.6.0": ["speculators==0.6.0"], "0.9.0": ["speculators==0.9.0", "hs-connectors==0.9.0"]}

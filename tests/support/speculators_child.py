@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ENGINE_ENV
 
-REPO = Path(__file__).resolve().parents[1]
+from .engine_env import ENGINE_ENV
+
+REPO = Path(__file__).resolve().parents[2]
 
 needs_speculators = pytest.mark.skipif(ENGINE_ENV is None,
                                        reason="needs the speculators copies of a scripts/mkenv.py environment")
