@@ -465,3 +465,21 @@ def test_the_data_set_modules_import_no_circle():
         assert "shards" not in imports(mod), mod
     assert not {"store", "verify"} & imports("directory")
     assert "store" not in imports("verify")
+
+
+@pytest.mark.parametrize("hs", [
+    {"dtype": "bfloat16", "layer_ids": [0, 2, 4]},
+    {"dtype": "fp8", "layer_ids": [1, 3], "fp8": {"scale": "token-layer"}},
+    {"dtype": "fp8", "layer_ids": [1, 3]},
+])
+def test_the_stored_spec_reads_what_the_provenance_records(hs):
+    from speccompat.dataset import fp8
+    from speccompat.dataset.spec import DTYPES, StoredSpec
+
+    prov = {"hidden_states": hs, "model": {"hidden_size": 64}}
+    spec = StoredSpec.of_provenance(prov)
+    assert spec.layer_ids == tuple(hs["layer_ids"])
+    assert spec.serving_ids == tuple(i + 1 for i in hs["layer_ids"])
+    assert spec.hidden_size == 64
+    assert spec.granularity == fp8.granularity_of(prov)
+    assert spec.safetensors_dtype == DTYPES[hs["dtype"]][1]

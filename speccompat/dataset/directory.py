@@ -65,7 +65,7 @@ from .names import (
     part_name,
     token_freq_beside,
 )
-from .spec import DTYPES
+from .spec import StoredSpec
 
 __all__ = ["EXPORT_STAGING", "HEADER_LOCK_NAME", "OWN_DIRS", "HEADER_NAME", "LOCK_NAME", "PART_LOCK_RE", "PART_RE", "TRASH_NAME", "DatasetDir", "DirLock", "Plan",
            "bad_name", "part_lock_name", "part_name", "plan_resume"]
@@ -429,12 +429,13 @@ def _verify_contents(name: str, entry: dict[str, Any], layout: Any, meta: dict[s
     import torch
 
     p: list[str] = []
-    layer_ids = prov["hidden_states"]["layer_ids"]
-    hidden = prov["model"]["hidden_size"]
+    spec = StoredSpec.of_provenance(prov)
+    layer_ids = list(spec.layer_ids)
     n = entry["num_tokens"]
-    st_dtype = DTYPES[prov["hidden_states"]["dtype"]][1]
-    expected = layout.expected_tensors(n, layer_ids, hidden, "loss_mask" in entry["tensors"] or "loss_mask" in tensors)
-    granularity = fp8.granularity_of(prov)
+    st_dtype = spec.safetensors_dtype
+    expected = layout.expected_tensors(n, layer_ids, spec.hidden_size,
+                                       "loss_mask" in entry["tensors"] or "loss_mask" in tensors)
+    granularity = spec.granularity
     if granularity is not None:  # fp8: the scales beside the states
         expected[fp8.SCALES] = fp8.scales_shape(n, len(layer_ids), granularity)
     if set(tensors) != set(expected):
