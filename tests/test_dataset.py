@@ -100,6 +100,7 @@ def test_a_byte_order_mark_is_accepted_and_a_duplicate_key_refused_naming_line_a
     assert all(p.fatal for p in scan.problems)
 
 
+@needs_torch
 def test_the_manifest_keeps_the_input_order_after_a_sample_is_redone(tmp_path):
     model = model_dir(tmp_path)
     samples = scan(jsonl(tmp_path / "d.jsonl", random_records(6, seed=2)))

@@ -217,6 +217,7 @@ def test_export_refuses_a_set_without_the_final_layer(tmp_path):
     assert not (tmp_path / "arrow").exists()
 
 
+@needs_torch
 def test_arrow_layout_shards_then_merge_number_rows_in_input_order(tmp_path):
     import argparse
 
