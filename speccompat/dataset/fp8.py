@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import FP8_SPECULATORS_04, SPECULATORS
+from .spec import DEFAULT_GRANULARITY, FP8_SPECULATORS_04, SPECULATORS
 
 __all__ = ["FP8", "FP8_MAX", "GRANULARITIES", "SCALES", "available", "dequantize", "dequantize_layers",
            "describe", "flushed_note", "granularity_of", "quantize", "refuse", "refuse_unavailable", "scales_shape"]
@@ -40,7 +40,6 @@ SCALES = "hidden_states_scales"  # hs-connectors' SCALES_KEY
 #: --fp8-scale values -> what the scale is the amax of
 GRANULARITIES = {"token": "each token, over all stored layers and the hidden dimension (hs-connectors' choice)",
                  "token-layer": "each token and layer, over the hidden dimension"}
-DEFAULT_GRANULARITY = "token"
 MIN_SCALE = 1e-12  # the scale of an all-zero token (hs-connectors' clamp)
 DEQUANTIZE_RULE = "hidden_states.to(dtype) * hidden_states_scales.to(dtype)"
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ARROW", "DTYPES", "FP8_SPECULATORS_04", "LAYOUTS", "SAFETENSORS", "SPECULATORS", "SUFFIXES", "StoredSpec"]
+__all__ = ["ARROW", "DEFAULT_GRANULARITY", "DTYPES", "FP8_SPECULATORS_04", "LAYOUTS", "SAFETENSORS", "SPECULATORS", "SUFFIXES", "StoredSpec"]
 
 #: --dtype -> (bytes per element, safetensors dtype name, torch dtype name)
 DTYPES = {"bfloat16": (2, "BF16", "bfloat16"), "float16": (2, "F16", "float16"), "float32": (4, "F32", "float32"),
           # float8_e4m3fn with float32 scales (speccompat.dataset.fp8); 4 more bytes a token (a token's scale)
           "fp8": (1, "F8_E4M3", "float8_e4m3fn")}
+
+#: the fp8 scale granularity when none is named (``--fp8-scale``): one scale per token
+DEFAULT_GRANULARITY = "token"
 
 #: The layouts this version writes and reads (``--layout``): per-sample safetensors files (the
 #: default), speculators 0.3/0.4's ``data_<i>.pt`` files, speculators >= 0.5's Arrow data set.
@@ -56,5 +59,5 @@ class StoredSpec:
     def of_provenance(cls, prov: dict[str, Any]) -> StoredSpec:
         """The spec a data set's provenance records (``hidden_states`` and ``model``)."""
         hs = prov["hidden_states"]
-        granularity = ((hs.get("fp8") or {}).get("scale") or "token") if hs["dtype"] == "fp8" else None
+        granularity = ((hs.get("fp8") or {}).get("scale") or DEFAULT_GRANULARITY) if hs["dtype"] == "fp8" else None
         return cls(hs["dtype"], tuple(hs["layer_ids"]), int(prov["model"]["hidden_size"]), granularity)
