@@ -85,9 +85,12 @@ def states(sample):
 
 def provenance(model: Path, layout: str) -> dict:
     from speccompat.dataset import collect_provenance, read_model_info
+    from speccompat.dataset.spec import StoredSpec
 
-    return collect_provenance(model_path=str(model), info=read_model_info(str(model)), layer_ids=LAYERS,
-                              dtype="bfloat16", max_seq_len=256, on_long_line="truncate", tensor_parallel_size=1,
+    info = read_model_info(str(model))
+    return collect_provenance(model_path=str(model), info=info, spec=StoredSpec.of_options("bfloat16", LAYERS,
+                                                                                          info.hidden_size),
+                              max_seq_len=256, on_long_line="truncate", tensor_parallel_size=1,
                               layout=layout, status={"state": "armed", "vllm": {"raw": "0.32.0"},
                                                      "speculators": {"raw": "0.4.0.1"}, "patches": []})
 

@@ -126,6 +126,7 @@ def bytes_per_token(hiddens: list[int], samples: int = 8, seed: int = 1) -> list
     import torch
 
     from speccompat.dataset import collect_provenance, open_dataset, read_model_info, scan_jsonl
+    from speccompat.dataset.spec import StoredSpec
 
     rng = random.Random(seed)
     out = []
@@ -148,11 +149,11 @@ def bytes_per_token(hiddens: list[int], samples: int = 8, seed: int = 1) -> list
                 row: dict = {"hidden_size": hidden, "layout": layout, "tokens": tokens}
                 for name, kw in (("bfloat16", {}), ("fp8 token", {"dtype": "fp8", "fp8_scale": "token"}),
                                  ("fp8 token-layer", {"dtype": "fp8", "fp8_scale": "token-layer"})):
-                    prov = collect_provenance(model_path=str(model), info=info, layer_ids=[1, 2, 4, 5],
-                                              dtype=kw.get("dtype", "bfloat16"), fp8_scale=kw.get("fp8_scale"),
-                                              max_seq_len=1024, on_long_line="fail", tensor_parallel_size=1,
+                    spec = StoredSpec.of_options(kw.get("dtype", "bfloat16"), [1, 2, 4, 5], info.hidden_size,
+                                                 kw.get("fp8_scale"))
+                    prov = collect_provenance(model_path=str(model), info=info, spec=spec, max_seq_len=1024, on_long_line="fail", tensor_parallel_size=1,
                                               layout=layout)
-                    ds = open_dataset(root / f"{layout}-{name.replace(' ', '-')}", scan.samples, prov)
+                    ds = open_dataset(root / f"{layout}-{name.replace(' ', '-')}", scan.samples, prov, spec=spec)
                     with ds, ds.writer(threads=2) as w:
                         for x in ds.todo:
                             g = torch.Generator().manual_seed(x.num_tokens)

@@ -648,12 +648,13 @@ def driver_extractor(args: argparse.Namespace, mode: str, gen):
     and its manifest entry are durable."""
     import speccompat
     from speccompat.dataset import collect_provenance, open_dataset, read_model_info, scan_jsonl
+    from speccompat.dataset.spec import StoredSpec
 
     info = read_model_info(args.model_path)
     fp8 = "-fp8" in mode
-    prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=LAYER_IDS,
-                              dtype="fp8" if fp8 else "bfloat16", fp8_scale=args.fp8_scale if fp8 else None,
-                              max_seq_len=args.max_model_len - 1, on_long_line="fail",
+    spec = StoredSpec.of_options("fp8" if fp8 else "bfloat16", LAYER_IDS, info.hidden_size,
+                                 args.fp8_scale if fp8 else None)
+    prov = collect_provenance(model_path=args.model_path, info=info, spec=spec, max_seq_len=args.max_model_len - 1, on_long_line="fail",
                               tensor_parallel_size=args.tp, layout=args.driver_format, status=speccompat.status())
     from speccompat.dataset.extract import ExtractConfig, in_flight_tokens, stream_results
 
@@ -681,7 +682,7 @@ def driver_extractor(args: argparse.Namespace, mode: str, gen):
         t0 = time.perf_counter()
         out = Path(tempfile.mkdtemp(prefix="ds-", dir=root))
         scan = scan_jsonl(data, vocab_size=info.vocab_size, max_seq_len=args.max_model_len - 1, on_long="fail")
-        ds = open_dataset(out, scan.samples, prov)
+        ds = open_dataset(out, scan.samples, prov, spec=spec)
         keep = getattr(extract, "page_cache", "drop") == "keep"
         writer = ds.writer(threads=args.writer_threads, max_in_flight_bytes=int(args.max_in_flight_gb * 1e9),
                            ops=keep_page_cache_ops() if keep else None)

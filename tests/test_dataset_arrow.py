@@ -272,3 +272,35 @@ def test_arrow_layout_without_datasets_is_refused_before_any_engine(tmp_path, mo
     with pytest.raises(Rejected, match=r"needs datasets: pip install 'speccompat\[arrow\]'"):
         open_dataset(tmp_path / "out", samples, provenance(model, layout="speculators-arrow"))
     assert not (tmp_path / "out" / "manifest.jsonl").exists()
+
+
+@needs_torch
+def test_export_records_the_layers_it_stores(tmp_path):
+    """A source stored in layer order 1 4 2 5 becomes an Arrow set in order 1 2 4 5: the new
+    provenance's whole ``hidden_states`` record (ids, serving ids of each layer, dtype) is that of
+    the exported spec, as a run storing it would write, and each stored layer holds its own states."""
+    import json
+
+    import torch
+
+    from speccompat.dataset.export import export_dataset
+    from speccompat.dataset.provenance import hidden_states_record
+    from speccompat.dataset.reader import HiddenStatesDataset
+    from speccompat.dataset.spec import StoredSpec
+
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(3, seed=4)))
+    run(tmp_path / "src", samples, provenance(model, layer_ids=[1, 4, 2, 5]))
+    assert export_dataset(tmp_path / "src", "speculators-arrow", tmp_path / "arrow", dtype="float16",
+                          progress=False) == []
+    prov = json.loads((tmp_path / "arrow" / "manifest.jsonl").read_text().splitlines()[0])["provenance"]
+    src = json.loads((tmp_path / "src" / "manifest.jsonl").read_text().splitlines()[0])["provenance"]
+    spec = StoredSpec.of_provenance(prov)
+    assert spec == StoredSpec("float16", (1, 2, 4, 5), src["model"]["hidden_size"])
+    assert prov["hidden_states"] == hidden_states_record(spec)
+    assert [(r["layer"], r["vllm_aux_id"]) for r in prov["hidden_states"]["layers"]] == [(1, 2), (2, 3), (4, 5), (5, 6)]
+    rd = HiddenStatesDataset(tmp_path / "arrow")
+    for k, s in enumerate(samples):  # states() gives layer ids 1 4 2 5 their tensors in that order
+        h = states(s)
+        for pos, stored in enumerate([0, 2, 1, 3]):
+            assert torch.equal(rd[k]["hidden_states"][pos], h[stored].to(torch.float16))

@@ -467,19 +467,42 @@ def test_the_data_set_modules_import_no_circle():
     assert "store" not in imports("verify")
 
 
-@pytest.mark.parametrize("hs", [
-    {"dtype": "bfloat16", "layer_ids": [0, 2, 4]},
-    {"dtype": "fp8", "layer_ids": [1, 3], "fp8": {"scale": "token-layer"}},
-    {"dtype": "fp8", "layer_ids": [1, 3]},
+@pytest.mark.parametrize(("options", "granularity"), [
+    (("bfloat16", [0, 2, 4], 64, None), None),
+    (("float32", [5], 8, "token"), None),  # --fp8-scale without fp8: the CLI refuses it; the spec has none
+    (("fp8", [1, 3], 64, "token-layer"), "token-layer"),
+    (("fp8", [1, 3], 64, None), "token"),  # the default granularity
 ])
-def test_the_stored_spec_reads_what_the_provenance_records(hs):
-    from speccompat.dataset import fp8
+def test_the_stored_spec_is_what_the_provenance_records(options, granularity):
+    """A run's spec (its options), written into the provenance's record, reads back as itself."""
+    from speccompat.dataset.provenance import hidden_states_record
     from speccompat.dataset.spec import DTYPES, StoredSpec
 
-    prov = {"hidden_states": hs, "model": {"hidden_size": 64}}
-    spec = StoredSpec.of_provenance(prov)
-    assert spec.layer_ids == tuple(hs["layer_ids"])
-    assert spec.serving_ids == tuple(i + 1 for i in hs["layer_ids"])
-    assert spec.hidden_size == 64
-    assert spec.granularity == fp8.granularity_of(prov)
-    assert spec.safetensors_dtype == DTYPES[hs["dtype"]][1]
+    dtype, layer_ids, hidden, scale = options
+    spec = StoredSpec.of_options(dtype, layer_ids, hidden, scale)
+    assert (spec.dtype, spec.layer_ids, spec.hidden_size, spec.granularity) == (dtype, tuple(layer_ids), hidden,
+                                                                                  granularity)
+    record = hidden_states_record(spec)
+    assert record["dtype"] == dtype and record["layer_ids"] == layer_ids
+    assert [r["vllm_aux_id"] for r in record["layers"]] == list(spec.serving_ids) == [i + 1 for i in layer_ids]
+    assert ("fp8" in record) == (dtype == "fp8") and (record.get("fp8") or {}).get("scale") == granularity
+    assert StoredSpec.of_provenance({"hidden_states": record, "model": {"hidden_size": hidden}}) == spec
+    assert spec.safetensors_dtype == DTYPES[dtype][1]
+    n = 7  # bytes of n tokens: every layer's states, plus fp8's float32 scales
+    states = len(layer_ids) * n * hidden * DTYPES[dtype][0]
+    assert states < spec.expected_bytes(n) - 4096 <= states + n * (16 + (4 * len(layer_ids) if granularity else 0))
+
+
+@pytest.mark.parametrize(("args", "why"), [
+    (("bf16", (1,), 8, None), "is not one of"),
+    (("bfloat16", (1,), 8, "token"), "fp8 only"),
+    (("fp8", (1,), 8, None), "fp8 only"),
+    (("bfloat16", (), 8, None), "one or more"),
+    (("bfloat16", (-1,), 8, None), "one or more"),
+    (("bfloat16", (1,), 0, None), "positive"),
+])
+def test_the_stored_spec_refuses_what_no_set_stores(args, why):
+    from speccompat.dataset.spec import StoredSpec
+
+    with pytest.raises(ValueError, match=why):
+        StoredSpec(*args)

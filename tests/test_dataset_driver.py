@@ -150,11 +150,11 @@ def test_a_kv_cache_too_small_found_while_running_is_counted_in_the_summary(engi
 
 
 def test_the_launcher_hashes_the_weights_once_before_its_engines_start(engine, tmp_path, monkeypatch):
-    import speccompat.parallel
+    import speccompat.dataset.parallel
 
     monkeypatch.setenv("SPECCOMPAT_CACHE_DIR", str(tmp_path / "cache"))
     cached = []
-    monkeypatch.setattr(speccompat.parallel, "launch_engines",
+    monkeypatch.setattr(speccompat.dataset.parallel, "launch_engines",
                         lambda cfg, script: cached.append(sorted(p.name for p in (tmp_path / "cache" / "file-digests")
                                                                  .iterdir())) or 0)
     data = jsonl(tmp_path / "d.jsonl", random_records(3))

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch", reason="the layouts encode torch tensors")
 
 from speccompat.dataset.formats import owned  # noqa: E402
 from speccompat.dataset.layouts import layout_named  # noqa: E402
+from speccompat.dataset.spec import StoredSpec  # noqa: E402
 
 
 def test_owned_clones_views_and_keeps_owners():
@@ -28,7 +29,7 @@ def test_speculators_layout_of_a_view_saves_only_the_sample():
     batch = torch.randn(2, 5000, 64).to(torch.bfloat16)  # 1.3 MB of "batch"
     views = [batch[0, 300:350], batch[1, 300:350]]
     layout = layout_named("speculators", [3, 5])
-    named = layout.tensors(Sample(), views, [3, 5], torch.bfloat16)
+    named = layout.tensors(Sample(), views, StoredSpec("bfloat16", (3, 5), 64))
     obj = layout.encode(named, {}).trailer
     f = io.BytesIO()
     torch.save(obj, f)

@@ -84,9 +84,9 @@ def test_speculators_arrow_refuses_before_any_engine(tmp_path, monkeypatch, capl
     data = jsonl(tmp_path / "d.jsonl", random_records(3))
     out = tmp_path / "out"
     monkeypatch.setattr(ex, "start_generator", lambda *a: pytest.fail("the engine must not start"))
-    import speccompat.parallel
+    import speccompat.dataset.parallel
 
-    monkeypatch.setattr(speccompat.parallel, "launch_engines", lambda *a: pytest.fail("no engine may be launched"))
+    monkeypatch.setattr(speccompat.dataset.parallel, "launch_engines", lambda *a: pytest.fail("no engine may be launched"))
     for extra in ([], ["--data-parallel-size", "2"]):
         caplog.clear()
         code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
@@ -291,7 +291,7 @@ def test_tp_size_needs_that_many_visible_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     assert ex.machine_problems(cfg(tp_size=4)) == ["--tp-size 4: only 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=0,1)"]
     assert ex.machine_problems(cfg(tp_size=2)) == []
-    assert ex.machine_problems(cfg(tp_size=4, data_parallel_size=2)) == []  # placed by speccompat.parallel
+    assert ex.machine_problems(cfg(tp_size=4, data_parallel_size=2)) == []  # placed by speccompat.dataset.parallel
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert ex.machine_problems(cfg(tp_size=4)) == []
 

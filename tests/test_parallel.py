@@ -1,4 +1,4 @@
-"""Placing several engines on one host's GPUs (speccompat.parallel): groups of --tp-size GPUs,
+"""Placing several engines on one host's GPUs (speccompat.dataset.parallel): groups of --tp-size GPUs,
 optionally shared by several engines, and the refusal of a memory split that cannot fit."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from speccompat.dataset.errors import Rejected
 from speccompat.dataset.extract import ExtractConfig
-from speccompat.parallel import launch_engines, partition_devices
+from speccompat.dataset.parallel import launch_engines, partition_devices
 
 EIGHT = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
 
@@ -29,7 +29,7 @@ def test_too_few_gpus_for_the_shared_groups_is_an_error_naming_the_count():
 
 
 def test_a_memory_split_that_cannot_fit_is_refused_before_any_engine(monkeypatch):
-    import speccompat.parallel as parallel
+    import speccompat.dataset.parallel as parallel
 
     started = []
     monkeypatch.setattr(parallel, "run_local", lambda runs, **kw: started.append(runs) or [0] * len(runs))
@@ -42,7 +42,7 @@ def test_a_memory_split_that_cannot_fit_is_refused_before_any_engine(monkeypatch
 
 
 def test_two_engines_on_one_gpu_are_started_on_it_as_two_shards(monkeypatch):
-    import speccompat.parallel as parallel
+    import speccompat.dataset.parallel as parallel
 
     started = []
 
@@ -60,3 +60,17 @@ def test_two_engines_on_one_gpu_are_started_on_it_as_two_shards(monkeypatch):
     assert [r.env["CUDA_VISIBLE_DEVICES"] for r in started] == ["0", "0"]
     shards = [r.argv[r.argv.index("--shard-index") + 1] for r in started]
     assert shards == ["0", "1"] and all(r.argv[r.argv.index("--num-shards") + 1] == "2" for r in started)
+
+
+def test_the_old_module_path_is_the_same_module():
+    """``speccompat.parallel`` (its path before it moved under dataset/) is the module itself, so a
+    patch through either name reaches the other's callers."""
+    import importlib
+
+    import speccompat.dataset.parallel as new
+
+    old = importlib.import_module("speccompat.parallel")
+    assert old is new
+    from speccompat.parallel import launch_engines as old_launch
+
+    assert old_launch is new.launch_engines is launch_engines

@@ -11,6 +11,7 @@ import pytest
 from support.dataset_fakes import model_dir, write_safetensors
 
 from speccompat.dataset import provenance as prov_mod
+from speccompat.dataset.spec import StoredSpec
 
 BIG = 5 * 1024 + 3  # float32 elements
 
@@ -38,7 +39,8 @@ def negate(path, name):
 
 def provenance(model):
     info = prov_mod.read_model_info(str(model))
-    return prov_mod.collect(model_path=str(model), info=info, layer_ids=[1, 2], dtype="bfloat16", max_seq_len=64,
+    spec = StoredSpec.of_options("bfloat16", [1, 2], info.hidden_size)
+    return prov_mod.collect(model_path=str(model), info=info, spec=spec, max_seq_len=64,
                             on_long_line="truncate", tensor_parallel_size=1, layout="safetensors",
                             status={"state": "armed"})
 

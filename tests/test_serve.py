@@ -27,6 +27,7 @@ from support.serve_fakes import (  # noqa: E402
     MOONCAKE_DIR,
     POISON,
     REPO,
+    FakeGen,
     ThreadServer,
     fake_states,
     get_json,
@@ -94,6 +95,7 @@ def test_file_backend_response_and_file(model, tmp_path):
     assert srv.code == 0
     prov = json.loads((hs / "provenance.json").read_text())["provenance"]
     assert prov["hidden_states"]["layer_ids"] == LAYERS and prov["layout"] == "speccompat-serve-file"
+    assert prov["hidden_states"]["dtype"] == "bfloat16"  # the engine's dtype (config.json names none)
     assert not list(hs.glob("speccompat-*")), "unclaimed results are removed at shutdown"
 
 
@@ -105,7 +107,11 @@ def test_check_draft_reads_the_served_layers(model, tmp_path):
     hs = tmp_path / "hs"
     hs.mkdir()
     args = parse_args(["--model-path", str(model), *ARGS, "--hidden-states-dir", str(hs)])
-    write_provenance(args, check_settings(args)["info"], None)
+    info = check_settings(args)["info"]
+    with pytest.raises(ValueError, match="names no dtype"):  # neither the engine nor config.json says it
+        write_provenance(args, info, None)
+    assert not (hs / "provenance.json").exists()
+    write_provenance(args, info, None, FakeGen())
     draft = tmp_path / "draft"
     draft.mkdir()
     import argparse

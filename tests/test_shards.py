@@ -460,7 +460,7 @@ def test_speculators_layout_shards_keep_global_file_indices(world):
 
 
 def test_device_and_core_partitions():
-    from speccompat.parallel import partition_cpus, partition_devices, worst
+    from speccompat.dataset.parallel import partition_cpus, partition_devices, worst
 
     assert partition_devices(2, 4, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) == ["0,1,2,3", "4,5,6,7"]
     assert partition_devices(3, 1, {"CUDA_VISIBLE_DEVICES": "5,6,7"}) == ["5", "6", "7"]
@@ -474,7 +474,7 @@ def test_device_and_core_partitions():
 
 
 def test_run_local_reports_every_child_and_the_worst_status(capfd):
-    from speccompat.parallel import EngineRun, run_local
+    from speccompat.dataset.parallel import EngineRun, run_local
 
     prog = ("import os, sys, time; print('x: 3 to extract', flush=True); time.sleep(0.2); "
             "print('progress: 3/3 samples', os.environ['TAG'], flush=True); sys.exit(int(os.environ['CODE']))")
@@ -493,7 +493,7 @@ def test_the_jobs_progress_is_read_from_the_manifest_parts(world):
     """Each shard's part says how many samples it owns and how many were done when it opened; each
     entry appended after is one more. Read as the part grows: a torn last line is not yet, a part
     rewritten by a shard that reopens is read anew, a re-shard counts what the earlier split did."""
-    from speccompat.parallel import DataSetProgress, EngineRun
+    from speccompat.dataset.parallel import DataSetProgress, EngineRun
 
     root, model, _data, samples = world
     prov = provenance(model)
@@ -546,7 +546,7 @@ def test_the_jobs_progress_is_read_from_the_manifest_parts(world):
 def test_launcher_gives_each_engine_its_shard_and_gpus(monkeypatch, tmp_path):
     """One job (ExtractConfig) -> one config per engine -> its command: the flags parse back to that
     engine's config (shard k of N*D, a single engine), and progress is read from the data set."""
-    from speccompat import parallel
+    from speccompat.dataset import parallel
     from speccompat.dataset.extract import ExtractConfig, parse_args
 
     seen = []
@@ -622,12 +622,12 @@ def test_speccompat_merge_command_exit_statuses(world, capsys):
 
 
 def test_ray_is_optional_and_says_what_to_install(monkeypatch):
-    from speccompat.parallel import EngineRun, run_ray
+    from speccompat.dataset.parallel import EngineRun, run_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as when it is not installed
     with pytest.raises(ImportError, match=r"pip install 'speccompat\[ray\]'"):
         run_ray([EngineRun("e", ["x"])], address="local", gpus_per_engine=1)
     import subprocess
 
-    code = "import speccompat, speccompat.parallel, speccompat.dataset.shards, sys; print('ray' in sys.modules)"
+    code = "import speccompat, speccompat.dataset.parallel, speccompat.dataset.shards, sys; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

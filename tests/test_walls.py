@@ -153,6 +153,37 @@ def test_the_data_set_library_stands_in_layers():
         assert [t for t in graph[m] if t.startswith("speccompat.dataset")] == [], m
 
 
+def _one_place_offences(source: str) -> list[str]:
+    """What of ``source`` only the directory and the spec may do: build a ``Manifest(...)``, read
+    the provenance's ``hidden_states`` ``dtype``/``layer_ids`` or ``model`` ``hidden_size`` by key."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "Manifest"
+                                           or getattr(node.func, "attr", None) == "Manifest"):
+            out.append(f"line {node.lineno}: Manifest(...)")
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Subscript):
+            keys = (getattr(node.value.slice, "value", None), getattr(node.slice, "value", None))
+            if keys in {("hidden_states", "dtype"), ("hidden_states", "layer_ids"), ("model", "hidden_size")}:
+                out.append(f"line {node.lineno}: [{keys[0]!r}][{keys[1]!r}]")
+    return out
+
+
+def test_the_directory_builds_manifests_and_the_spec_reads_what_is_stored():
+    """``DatasetDir`` is the one place that builds a manifest (``manifest()``, ``new_manifest()``);
+    what a set stores (dtype, layers, width) is read from a provenance in ``StoredSpec`` only (and
+    in check-draft, which also reads other tools' files). The check sees a planted offence."""
+    planted = 'm = Manifest(d)\nx = prov["hidden_states"]["dtype"]\ny = p["model"]["hidden_size"]\np["model"]["hidden_size"] = 1'
+    assert _one_place_offences(planted) == ["line 1: Manifest(...)", "line 2: ['hidden_states']['dtype']",
+                                            "line 3: ['model']['hidden_size']"]  # a write (line 4) is no read
+    allowed = {"speccompat/dataset/directory.py", "speccompat/dataset/manifest.py", "speccompat/dataset/spec.py",
+               "speccompat/dataset/check_draft.py"}
+    found = {str(f.relative_to(REPO)): _one_place_offences(f.read_text())
+             for f in sorted((REPO / "speccompat").rglob("*.py"))}
+    assert {f: o for f, o in found.items() if o and f not in allowed} == {}
+
+
 def test_the_graph_sees_a_planted_circle_and_an_arrow_up(tmp_path):
     pkg = tmp_path / "speccompat"
     pkg.mkdir()

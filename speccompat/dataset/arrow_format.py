@@ -41,7 +41,7 @@ from .fsutil import check_own_dirs, fresh_dir, fsync_dir, own_dir_problem, remov
 from .inputs import input_digest
 from .manifest import Manifest
 from .names import ARROW_BUILD_DIR, ARROW_HS_DIR, ARROW_INFO_NAME, ARROW_STATE, ARROW_TOKEN_FREQ
-from .spec import ARROW, SUFFIXES
+from .spec import ARROW, SUFFIXES, StoredSpec
 
 __all__ = ["ARROW", "ArrowLayout", "check_layers", "layer_semantics", "require_datasets"]
 
@@ -120,17 +120,19 @@ class ArrowLayout(Layout):
     def is_sample_file(self, name: str) -> bool:
         return name.endswith(self.suffix)
 
-    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any,
-                fp8_scale: str | None = None) -> list[tuple[str, Any]]:
-        """``fp8_scale``: hs-connectors' fp8 schema instead (``hidden_states`` float8_e4m3fn and
+    def tensors(self, sample: Any, hidden_states: list[Any], spec: StoredSpec) -> list[tuple[str, Any]]:
+        """For fp8: hs-connectors' fp8 schema (``hidden_states`` float8_e4m3fn and
         ``hidden_states_scales`` float32, :mod:`speccompat.dataset.fp8`)."""
         import torch
 
-        check_layers(layer_ids)
+        check_layers(list(spec.layer_ids))
+        if len(spec.layer_ids) != len(hidden_states):
+            raise ValueError(f"{len(hidden_states)} hidden-state tensors for {len(spec.layer_ids)} layer ids")
+        dtype = getattr(torch, spec.torch_dtype_name)
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.num_tokens
         scales = []
-        if fp8_scale is not None:
-            stacked, s = quantize(hidden_states, fp8_scale, stack=True)
+        if spec.granularity is not None:
+            stacked, s = quantize(hidden_states, spec.granularity, stack=True)
             scales = [(SCALES, s)]
         else:
             stacked = torch.stack([h if h.dtype == dtype else h.to(dtype) for h in hidden_states], dim=1)

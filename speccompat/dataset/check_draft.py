@@ -113,10 +113,10 @@ def _from_provenance(prov: Any, source: Path) -> DatasetLayers:
 
 
 def _manifest_header(ds: Path) -> DatasetLayers | None:
-    from .manifest import Manifest
+    from .directory import DatasetDir
     from .shards import HEADER_NAME
 
-    manifest = Manifest(ds).load()
+    manifest = DatasetDir(ds).manifest()
     if manifest.header is not None:
         return _from_provenance(manifest.provenance, manifest.path)
     if (ds / HEADER_NAME).is_file():

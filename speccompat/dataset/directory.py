@@ -153,7 +153,12 @@ class DatasetDir:
         return [n for n in self.names() if PART_RE.match(n)]
 
     def manifest(self, name: str = MANIFEST_NAME) -> Manifest:
-        return Manifest(self.root, name).load()
+        """The manifest ``DIR/name`` as it is on disk (empty when it is missing)."""
+        return Manifest(self.root, self.path(name).name).load()
+
+    def new_manifest(self, name: str = MANIFEST_NAME) -> Manifest:
+        """An empty manifest for ``DIR/name``, not read: the caller sets its header and rewrites it."""
+        return Manifest(self.root, self.path(name).name)
 
     def token_freq_path(self, override: Path | str | None = None) -> Path:
         """The token-frequency file: ``override``, else ``<DIR>.token_freq.pt`` beside the directory

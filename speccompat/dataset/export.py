@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import logging
 import os
 import sys
@@ -30,7 +29,7 @@ from .fsutil import LOCK_NAME, fsync_dir
 from .layouts import layout_named
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from .reader import decode_sample, tensor_from
-from .spec import ARROW, SAFETENSORS, SPECULATORS
+from .spec import ARROW, SAFETENSORS, SPECULATORS, StoredSpec
 
 __all__ = ["EXPORT_FORMATS", "add_parser", "export_dataset", "main"]
 
@@ -251,7 +250,7 @@ def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_fligh
                     dtype: str | None, fp8_scale: str | None, tqdm: Any, fp8: Any, open_dataset: Any,
                     verify: Any) -> list[str]:
     sdir = DatasetDir(src)
-    m = Manifest(src).load()
+    m = sdir.manifest()
     parts = sdir.parts()
     merge_hint = (f"; it holds {len(parts)} manifest part(s) of a sharded extraction not merged: run "
                   f"`speccompat merge {src}` first") if parts else ""
@@ -264,17 +263,19 @@ def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_fligh
     if not m.entries:
         raise Rejected(f"{src}: its manifest lists no sample: nothing to export")
     prov = m.provenance or {}
-    src_layer_ids = list(prov["hidden_states"]["layer_ids"])
+    src_spec = StoredSpec.of_provenance(prov)
+    src_layer_ids = list(src_spec.layer_ids)
     src_layout = layout_named(m.header["layout"], src_layer_ids)
     target = EXPORT_FORMATS[to]
     num_layers = prov.get("model", {}).get("num_hidden_layers")
-    layer_ids = _plan_layers(src_layer_ids, num_layers, target)
-    src_dtype = prov["hidden_states"]["dtype"]
-    dtype = dtype or src_dtype
-    scale = fp8_scale or fp8.granularity_of(prov) or fp8.DEFAULT_GRANULARITY
+    dtype = dtype or src_spec.dtype
+    # what the new set stores: the source's, in the layers the target reads, as --dtype/--fp8-scale say
+    spec = StoredSpec.of_options(dtype, _plan_layers(src_layer_ids, num_layers, target), src_spec.hidden_size,
+                                 fp8_scale or src_spec.granularity)
+    layer_ids = list(spec.layer_ids)
     if why := fp8.refuse(dtype, target):
-        raise Rejected(why + ("" if dtype != src_dtype else f" (the source is {src_dtype}: pass --dtype bfloat16 "
-                                                              "to dequantize it)"))
+        raise Rejected(why + ("" if dtype != src_spec.dtype else f" (the source is {src_spec.dtype}: pass --dtype "
+                                                                   "bfloat16 to dequantize it)"))
     if os.path.lexists(out) and not out.is_dir():
         raise Rejected(f"{out} exists and is not a directory: export writes a new data set into a directory")
     if _is_within(out, src) or _is_within(src, out):
@@ -326,10 +327,9 @@ def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_fligh
     stage = DatasetDir(stage_path)
     try:
         with stage.lock(busy=f"another export is writing to {stage_path}"), _export_words(out, stage_path):
-            problems = _export_staged(src, m, src_layout, src_layer_ids, to, stage, layout, layer_ids, prov,
-                                      freq_staged, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
-                                      progress=progress, tqdm=tqdm, open_dataset=open_dataset, verify=verify,
-                                      dtype=dtype, fp8_scale=scale)
+            problems = _export_staged(src, m, src_layout, src_spec, to, stage, layout, spec, prov, freq_staged,
+                                      threads=threads, max_in_flight_bytes=max_in_flight_bytes, progress=progress,
+                                      tqdm=tqdm, open_dataset=open_dataset, verify=verify)
             if problems:
                 return problems
             # published: one rename (an empty out is replaced), then the token frequencies beside it
@@ -350,48 +350,41 @@ def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_fligh
                 freq_staged.unlink()
 
 
-def _export_staged(src: Path, m: Manifest, src_layout: Any, src_layer_ids: list[int], to: str, stage: DatasetDir,
-                   layout: Any, layer_ids: list[int], prov: dict[str, Any], freq_staged: Path | None, *, threads: int,
-                   max_in_flight_bytes: int, progress: bool, tqdm: Any, open_dataset: Any, verify: Any,
-                   dtype: str, fp8_scale: str) -> list[str]:
+def _export_staged(src: Path, m: Manifest, src_layout: Any, src_spec: StoredSpec, to: str, stage: DatasetDir,
+                   layout: Any, spec: StoredSpec, prov: dict[str, Any], freq_staged: Path | None, *, threads: int,
+                   max_in_flight_bytes: int, progress: bool, tqdm: Any, open_dataset: Any, verify: Any) -> list[str]:
     """Write and verify the new set in ``stage``; returns verify's problems (empty: ready to publish)."""
     import torch
 
     from . import fp8
 
-    src_dtype = prov["hidden_states"]["dtype"]
+    src_dtype, src_layer_ids, layer_ids = src_spec.dtype, list(src_spec.layer_ids), list(spec.layer_ids)
     target = layout.name
-    new_prov = copy.deepcopy(prov)
+    new_prov = prov_mod.with_spec(prov, spec)
     new_prov["layout"] = target
-    new_prov["hidden_states"]["layer_ids"] = layer_ids
-    new_prov["hidden_states"]["dtype"] = dtype
-    new_prov["hidden_states"].pop("fp8", None)
-    if dtype == fp8.FP8:
-        new_prov["hidden_states"]["fp8"] = fp8.describe(fp8_scale)
     new_prov["exported_from"] = {"path": str(src.resolve()), "layout": m.header["layout"], "dtype": src_dtype,
                                  "provenance_sha256": m.header.get("provenance_sha256") or prov_mod.digest(prov),
                                  "entries": len(m.entries)}
-    manifest = Manifest(stage.root)
+    manifest = stage.new_manifest()
     manifest.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": target, "checksum": m.header["checksum"],
                        "provenance": new_prov, "provenance_sha256": prov_mod.digest(new_prov)}
     manifest.rewrite()
     entries = sorted(m.entries.values(), key=lambda e: (e.get("line", 0), str(e["id"])))
     files: dict[str, str] = {}
-    ds = open_dataset(stage.root, layout, manifest, new_prov, [], [], files, 0, layer_ids, dtype,
-                      int(prov["model"]["hidden_size"]))
+    ds = open_dataset(stage.root, layout, manifest, new_prov, [], [], files, 0, spec)
     # an fp8 source: its values exactly (fp8 * scale in float32), then cast or quantized again
     exact = torch.float32 if src_dtype == fp8.FP8 else None
     digest = digest_fn(m.header["checksum"])
     logger.info("export %s (%s, %d samples) -> %s (%s, layers %s)", src, m.header["layout"], len(entries),
                 stage.root, target, layer_ids)
-    with ds.writer(threads=threads, max_in_flight_bytes=max_in_flight_bytes, check_cast=dtype != src_dtype) as w:
+    with ds.writer(threads=threads, max_in_flight_bytes=max_in_flight_bytes, check_cast=spec.dtype != src_dtype) as w:
         for k, e in enumerate(tqdm(entries, desc=f"export {src.name} -> {to}", unit="sample",
                                    disable=not progress)):
             sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids, exact, prov=prov,
                                             prov_sha=m.header.get("provenance_sha256"))
             files[sample.id] = layout.file_name(sample.id, k)
             w.submit([ds.job(sample, [by_layer[i] for i in layer_ids])])
-    if dtype == fp8.FP8 and (note := fp8.flushed_note(w.stats.fp8_flushed, w.stats.fp8_values, fp8_scale)):
+    if spec.is_fp8 and (note := fp8.flushed_note(w.stats.fp8_flushed, w.stats.fp8_values, spec.granularity)):
         logger.warning("%s", note)
     if w.failed:
         sample, why = w.failed[0]

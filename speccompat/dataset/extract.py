@@ -20,7 +20,7 @@ written; 130 interrupted.
 
 Only the standard library is imported at module level: vLLM's workers start with ``spawn`` and
 re-import the script that runs this, which must stay cheap and side-effect free. Imports are
-absolute so that this file also runs as a script (``speccompat.parallel`` starts one per engine).
+absolute so that this file also runs as a script (``speccompat.dataset.parallel`` starts one per engine).
 """
 
 from __future__ import annotations
@@ -227,6 +227,14 @@ class ExtractConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
+    def stored_spec(self, layer_ids: list[int], hidden_size: int) -> Any:
+        """What this run stores (:class:`~speccompat.dataset.spec.StoredSpec`): ``--dtype`` and
+        ``--fp8-scale`` for ``layer_ids`` of a model of ``hidden_size``. Built once, in
+        :func:`extract`, and passed to the provenance, the directory and the writer."""
+        from speccompat.dataset.spec import StoredSpec
+
+        return StoredSpec.of_options(self.dtype, layer_ids, hidden_size, self.fp8_scale)
+
     def to_argv(self) -> list[str]:
         """The flags of ``speccompat extract`` for this job (those whose value is not the default):
         ``ExtractConfig.from_args(parse_args(cfg.to_argv())) == cfg``."""
@@ -317,7 +325,7 @@ def preflight(cfg: ExtractConfig, model_config: dict[str, Any], tokenizer_config
 
 def machine_problems(cfg: ExtractConfig) -> list[str]:
     """What this machine decides: ``--tp-size`` GPUs must be visible (when ``CUDA_VISIBLE_DEVICES``
-    says which; several engines are checked where they are placed, ``speccompat.parallel``)."""
+    says which; several engines are checked where they are placed, ``speccompat.dataset.parallel``)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is None or cfg.ray or cfg.data_parallel_size > 1:
         return []
@@ -534,17 +542,17 @@ def extract(args: ExtractConfig) -> int:
     scan = scan_jsonl(args.prepared_data, vocab_size=info.vocab_size, max_seq_len=args.max_seq_len,
                       on_bad=args.on_bad_line, on_long=args.on_long_line, limit=args.limit)
     report_scan(scan, args.max_seq_len)
-    prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=layer_ids, dtype=args.dtype,
-                              max_seq_len=args.max_seq_len, on_long_line=args.on_long_line,
-                              tensor_parallel_size=args.tp_size, layout=args.layout, status=status,
-                              fp8_scale=(args.fp8_scale or "token") if args.dtype == "fp8" else None)
+    spec = args.stored_spec(layer_ids, info.hidden_size)
+    prov = collect_provenance(model_path=args.model_path, info=info, spec=spec, max_seq_len=args.max_seq_len,
+                              on_long_line=args.on_long_line, tensor_parallel_size=args.tp_size, layout=args.layout,
+                              status=status)
     extra = {"train_data_path": str(args.prepared_data), "gpu_memory_utilization": args.gpu_memory_utilization,
              "max_samples": args.limit}
     if shard.num_shards > 1:
-        ds = open_shard(args.output_dir, scan.samples, prov, shard, overwrite=args.overwrite,
+        ds = open_shard(args.output_dir, scan.samples, prov, shard, spec=spec, overwrite=args.overwrite,
                         speculators_version=status.speculators.get("raw"), extra=extra)
     else:
-        ds = open_dataset(args.output_dir, scan.samples, prov, overwrite=args.overwrite,
+        ds = open_dataset(args.output_dir, scan.samples, prov, spec=spec, overwrite=args.overwrite,
                           speculators_version=status.speculators.get("raw"), extra=extra)
     with ds:  # the directory's lock, released whatever happens below
         return _extract_into(ds, args, shard, info, layer_ids, started)
@@ -760,7 +768,7 @@ def main(argv: list[str] | None = None, *, script: Path | None = None, prog: str
 
     cfg = ExtractConfig.from_args(args)
     if cfg.ray or cfg.data_parallel_size > 1:
-        from speccompat.parallel import launch_engines
+        from speccompat.dataset.parallel import launch_engines
 
         try:
             check_settings(cfg)

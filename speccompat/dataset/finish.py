@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .directory import DatasetDir
-from .layouts import layout_named
+from .layouts import layout_of
 from .manifest import Manifest
 
 __all__ = ["finish_dataset"]
@@ -51,8 +51,7 @@ def finish_dataset(ddir: DatasetDir, manifest: Manifest | None = None, *, sample
     header = manifest.header
     if header is None:
         return False
-    prov = header["provenance"]
-    layout = layout_named(header["layout"], prov["hidden_states"]["layer_ids"])
+    layout = layout_of(header)
     freq_path = ddir.token_freq_path(token_freq_path)
     side = [ddir.path(n) for n in layout.side_files]
     if not side:
@@ -62,7 +61,7 @@ def finish_dataset(ddir: DatasetDir, manifest: Manifest | None = None, *, sample
         logger.info("no sample was written: the side files of %s stay as they are", ddir)
         return False
     entries = sorted(manifest.entries.values(), key=lambda e: (e["line"], e["id"]))
-    info = {"header": header, "provenance": prov, "extra": {**(header.get("run") or {}), **(extra or {})},
+    info = {"header": header, "provenance": header["provenance"], "extra": {**(header.get("run") or {}), **(extra or {})},
             "speculators_version": speculators_version}
     layout.finalize(ddir, entries, token_freq=_token_freq(ddir, layout, entries, samples), token_freq_path=freq_path,
                     info=info)

@@ -27,7 +27,7 @@ from typing import Any
 
 from .fp8 import SCALES, quantize
 from .names import name_for_id
-from .spec import ARROW, DTYPES, LAYOUTS, SAFETENSORS, SPECULATORS, SUFFIXES
+from .spec import ARROW, DTYPES, LAYOUTS, SAFETENSORS, SPECULATORS, SUFFIXES, StoredSpec
 
 __all__ = ["ARROW", "DTYPES", "LAYOUTS", "SAFETENSORS", "SPECULATORS", "Encoded", "Layout", "encode_safetensors",
            "read_safetensors", "tensor_buffer", "tensor_from"]
@@ -167,19 +167,20 @@ class Layout:
     def is_sample_file(self, name: str) -> bool:
         return name.endswith(self.suffix)
 
-    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any,
-                fp8_scale: str | None = None) -> list[tuple[str, Any]]:
-        """The named tensors of one sample's file; ``fp8_scale``: quantize to fp8 with scales of this
-        granularity (:mod:`speccompat.dataset.fp8`) instead of casting to ``dtype``."""
+    def tensors(self, sample: Any, hidden_states: list[Any], spec: StoredSpec) -> list[tuple[str, Any]]:
+        """The named tensors of one sample's file: its states (one per ``spec.layer_ids``) cast to
+        ``spec.dtype``, or for fp8 quantized with scales of ``spec.granularity``
+        (:mod:`speccompat.dataset.fp8`)."""
         import torch
 
+        layer_ids, dtype = spec.layer_ids, getattr(torch, spec.torch_dtype_name)
         named = [("input_ids", torch.tensor(sample.input_ids, dtype=torch.int64))]
         if sample.loss_mask is not None:
             named.append(("loss_mask", torch.tensor(sample.loss_mask, dtype=torch.int64)))
-        if fp8_scale is not None:
-            if len(layer_ids) != len(hidden_states):
-                raise ValueError(f"{len(hidden_states)} hidden-state tensors for {len(layer_ids)} layer ids")
-            q, scales = quantize(hidden_states, fp8_scale, stack=False)
+        if len(layer_ids) != len(hidden_states):
+            raise ValueError(f"{len(hidden_states)} hidden-state tensors for {len(layer_ids)} layer ids")
+        if spec.granularity is not None:
+            q, scales = quantize(hidden_states, spec.granularity, stack=False)
             return [*named, *((f"hidden_states_{i}", t) for i, t in zip(layer_ids, q, strict=True)), (SCALES, scales)]
         named += [(f"hidden_states_{i}", h if h.dtype == dtype else h.to(dtype))
                   for i, h in zip(layer_ids, hidden_states, strict=True)]

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .spec import DEFAULT_GRANULARITY, FP8_SPECULATORS_04, SPECULATORS
+from .spec import FP8_SPECULATORS_04, SPECULATORS
 
 __all__ = ["FP8", "FP8_MAX", "GRANULARITIES", "SCALES", "available", "dequantize", "dequantize_layers",
-           "describe", "flushed_note", "granularity_of", "quantize", "refuse", "refuse_unavailable", "scales_shape"]
+           "describe", "flushed_note", "quantize", "refuse", "refuse_unavailable", "scales_shape"]
 
 FP8 = "fp8"
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -87,14 +87,6 @@ def describe(granularity: str) -> dict[str, Any]:
             "dequantize": DEQUANTIZE_RULE,
             "layers": "speculators-arrow: hidden_states [n, layers, hidden]; safetensors: hidden_states_<layer> "
                       "[n, hidden] with hidden_states_scales[:, k] for the k-th layer id (k = 0 for scale token)"}
-
-
-def granularity_of(provenance: dict[str, Any] | None) -> str | None:
-    """The scale granularity of a data set (None: not fp8)."""
-    hs = (provenance or {}).get("hidden_states") or {}
-    if hs.get("dtype") != FP8:
-        return None
-    return ((hs.get("fp8") or {}).get("scale")) or DEFAULT_GRANULARITY
 
 
 def quantize(hidden_states: list[Any], granularity: str, *, stack: bool) -> tuple[Any, Any]:

@@ -12,13 +12,21 @@ sample's file name, tensors, encoding, reading, side files) and one module per l
 
 from __future__ import annotations
 
+from typing import Any
+
 from . import arrow_format
 from .errors import Rejected
 from .formats import Layout
-from .spec import ARROW, LAYOUTS, SAFETENSORS, SPECULATORS
+from .spec import ARROW, LAYOUTS, SAFETENSORS, SPECULATORS, StoredSpec
 from .speculators_format import SpeculatorsLayout
 
-__all__ = ["LAYOUTS", "Layout", "layout_named"]
+__all__ = ["LAYOUTS", "Layout", "layout_named", "layout_of"]
+
+
+def layout_of(header: dict[str, Any]) -> Layout:
+    """The layout of a stored set, from its manifest header (``layout`` and the layer ids its
+    provenance records)."""
+    return layout_named(header["layout"], list(StoredSpec.of_provenance(header["provenance"]).layer_ids))
 
 
 def layout_named(name: str, layer_ids: list[int] | None = None, num_layers: int | None = None) -> Layout:

@@ -25,7 +25,7 @@ from .checksum import ALGORITHMS
 from .errors import Rejected
 from .fsutil import FileOps, write_all, write_atomic
 from .names import MANIFEST_NAME, bad_name
-from .spec import DTYPES, LAYOUTS, SUFFIXES
+from .spec import DTYPES, LAYOUTS, SUFFIXES, StoredSpec
 
 __all__ = ["MANIFEST_NAME", "SCHEMA_VERSION", "Manifest", "entry_problem", "header_problem"]
 
@@ -192,6 +192,14 @@ class Manifest:
     @property
     def provenance(self) -> dict[str, Any] | None:
         return None if self.header is None else self.header.get("provenance")
+
+    @property
+    def spec(self) -> StoredSpec:
+        """What the set's sample files hold, as its header's provenance records (a manifest
+        without a header has none: ``ValueError``)."""
+        if self.header is None:
+            raise ValueError(f"{self.path}: no header, so no record of what the set stores")
+        return StoredSpec.of_provenance(self.header["provenance"])
 
     def by_id(self) -> dict[str, dict[str, Any]]:
         return {e["id"]: e for e in self.entries.values()}

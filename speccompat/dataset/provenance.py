@@ -9,6 +9,7 @@ where from) may differ. ``SOURCE_DATE_EPOCH`` (the reproducible-builds conventio
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import json
@@ -19,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from .contenthash import METHOD
+from .spec import StoredSpec
 
-__all__ = ["INFORMATIONAL", "LAYER_MEANING", "ModelInfo", "collect", "differences", "digest", "model_identity",
-           "read_model_info", "tokenizer_identity", "weights_identity"]
+__all__ = ["INFORMATIONAL", "LAYER_MEANING", "ModelInfo", "collect", "differences", "digest", "hidden_states_record",
+           "model_identity", "read_model_info", "tokenizer_identity", "weights_identity", "with_spec"]
 
 #: Keys (dotted) that may differ between runs of one data set. ``hidden_states.layers`` is derived
 #: from ``hidden_states.layer_ids`` (compared) and absent from data sets written before it was recorded.
@@ -187,16 +189,39 @@ def _now() -> str:
     return when.replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
-def collect(*, model_path: str, info: ModelInfo, layer_ids: list[int], dtype: str, max_seq_len: int,
-            on_long_line: str, tensor_parallel_size: int, layout: str, status: Any = None,
-            extra: dict[str, Any] | None = None, fp8_scale: str | None = None) -> dict[str, Any]:
-    """The provenance of a run. ``status``: ``speccompat.status()`` (or its ``as_dict()``) after
-    speculators' generator module was imported, so that its patches are listed."""
+def hidden_states_record(spec: StoredSpec) -> dict[str, Any]:
+    """The provenance's ``hidden_states`` record of ``spec``: layer ids, their meaning and serving
+    ids (:func:`speccompat.layers.layer_records`), dtype, and for fp8 the scales' granularity and the
+    exact dequantize rule (:func:`speccompat.dataset.fp8.describe`)."""
+    from speccompat.layers import layer_records
+
+    record: dict[str, Any] = {"layer_ids": list(spec.layer_ids), "meaning": LAYER_MEANING, "dtype": spec.dtype,
+                              "layers": layer_records(list(spec.layer_ids))}
+    if spec.granularity is not None:
+        from .fp8 import describe
+
+        record["fp8"] = describe(spec.granularity)
+    return record
+
+
+def with_spec(prov: dict[str, Any], spec: StoredSpec) -> dict[str, Any]:
+    """A copy of ``prov`` whose ``hidden_states`` record is ``spec``'s (what an export stores)."""
+    if spec.hidden_size != (width := StoredSpec.of_provenance(prov).hidden_size):
+        raise ValueError(f"the spec's hidden size {spec.hidden_size} is not the model's {width}")
+    return {**copy.deepcopy(prov), "hidden_states": hidden_states_record(spec)}
+
+
+def collect(*, model_path: str, info: ModelInfo, spec: StoredSpec, max_seq_len: int, on_long_line: str,
+            tensor_parallel_size: int, layout: str, status: Any = None,
+            extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The provenance of a run that stores ``spec``. ``status``: ``speccompat.status()`` (or its
+    ``as_dict()``) after speculators' generator module was imported, so that its patches are listed."""
+    if spec.hidden_size != info.hidden_size:
+        raise ValueError(f"the spec's hidden size {spec.hidden_size} is not the model's {info.hidden_size}")
     st = status.as_dict() if hasattr(status, "as_dict") else (status or {})
     import platform
 
     import speccompat
-    from speccompat.layers import layer_records
 
     prov: dict[str, Any] = {
         "model": {**model_identity(model_path), "architectures": list(info.architectures),
@@ -216,8 +241,7 @@ def collect(*, model_path: str, info: ModelInfo, layer_ids: list[int], dtype: st
             "adapter": st.get("adapter"),
             "patches": sorted(p["id"] for p in st.get("patches", []) if p.get("state") in ("applied", "pending")),
         },
-        "hidden_states": {"layer_ids": list(layer_ids), "meaning": LAYER_MEANING, "dtype": dtype,
-                          "layers": layer_records(layer_ids)},
+        "hidden_states": hidden_states_record(spec),
         "max_seq_len": max_seq_len,
         "truncation": {"on_long_line": on_long_line,
                        "rule": "the first max_seq_len tokens (and loss_mask entries) are kept"},
@@ -225,10 +249,6 @@ def collect(*, model_path: str, info: ModelInfo, layer_ids: list[int], dtype: st
         "layout": layout,
         "created": _now(),
     }
-    if dtype == "fp8":  # the scales' granularity and the exact dequantize rule (speccompat.dataset.fp8)
-        from .fp8 import DEFAULT_GRANULARITY, describe
-
-        prov["hidden_states"]["fp8"] = describe(fp8_scale or DEFAULT_GRANULARITY)
     if extra:
         prov.update(extra)
     return prov

@@ -21,10 +21,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .directory import DatasetDir
 from .formats import tensor_from
 from .fp8 import SCALES, dequantize
-from .layouts import layout_named
-from .manifest import Manifest
+from .layouts import layout_of
 
 __all__ = ["HiddenStatesDataset", "decode_sample", "tensor_from"]
 
@@ -60,17 +60,17 @@ class HiddenStatesDataset:
     def __init__(self, path: str | Path, layers: list[int] | None = None, dequantize_dtype: Any = None) -> None:
         self.path = Path(path)
         self.dequantize_dtype = dequantize_dtype  # fp8 sets: the dtype returned (default bfloat16)
-        m = Manifest(self.path).load()
+        m = DatasetDir(self.path).manifest()
         if m.header is None:
             raise ValueError(f"{self.path}: no manifest.jsonl header: not a speccompat data set")
         self.provenance = m.provenance or {}
         self.layout_name = m.header.get("layout", "safetensors")
-        self.stored_layer_ids = list(self.provenance["hidden_states"]["layer_ids"])
+        self.stored_layer_ids = list(m.spec.layer_ids)
         self.layer_ids = list(layers) if layers is not None else list(self.stored_layer_ids)
         missing = [i for i in self.layer_ids if i not in self.stored_layer_ids]
         if missing:
             raise ValueError(f"{self.path}: layer(s) {missing} are not stored (stored: {self.stored_layer_ids})")
-        self.layout = layout_named(self.layout_name, self.stored_layer_ids)
+        self.layout = layout_of(m.header)
         self.entries = sorted(m.entries.values(), key=lambda e: (e.get("line", 0), str(e["id"])))
 
     def __len__(self) -> int:

@@ -53,9 +53,10 @@ from .directory import (
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, DatasetError, Rejected
 from .fsutil import LOCK_NAME, fsync_dir, human, write_atomic
 from .inputs import Sample
-from .layouts import layout_named
+from .layouts import layout_named, layout_of
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
-from .store import OpenDataset, differences, expected_bytes, refuse_differences, run_facts, run_info
+from .spec import StoredSpec
+from .store import OpenDataset, differences, expected_bytes, refuse_differences, run_facts, run_info, run_spec
 from .verify import check_view, verify_dataset
 
 __all__ = ["HEADER_NAME", "PART_RE", "ShardSpec", "check_inputs", "find_parts", "merge_dataset", "open_shard",
@@ -201,8 +202,8 @@ def _no_sample_yet(ddir: DatasetDir, layout: Any, stored_header: dict[str, Any],
 
 
 def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], shard: ShardSpec, *,
-               overwrite: bool = False, check_threads: int = 4, speculators_version: str | None = None,
-               extra: dict[str, Any] | None = None) -> Any:
+               spec: StoredSpec | None = None, overwrite: bool = False, check_threads: int = 4,
+               speculators_version: str | None = None, extra: dict[str, Any] | None = None) -> Any:
     """:func:`speccompat.dataset.store.open_dataset` for shard ``shard.index`` of ``shard.num_shards``:
     ``samples`` is the whole input (the same in every shard); the result's ``todo`` holds this
     shard's samples that no shard has finished, and its manifest is this shard's part. The locks
@@ -212,7 +213,8 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
                        "Delete the data set or use another --output-dir")
     ddir = DatasetDir(out_dir)
     out_dir = ddir.root
-    layer_ids, dtype, hidden, layout = run_facts(ddir, provenance)
+    spec = run_spec(provenance, spec)
+    layout = run_facts(ddir, provenance, spec)
     K, N = shard.index, shard.num_shards
     with contextlib.ExitStack() as stack:
         dir_lock = stack.enter_context(ddir.lock(LOCK_NAME, exclusive=False, busy=(
@@ -293,7 +295,7 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
 
         # leftovers of this shard's own interrupted writes (other shards may be writing theirs now)
         def progress_facts(plan: Any) -> None:
-            # what the job's progress is read from (speccompat.parallel.DataSetProgress): the shard's samples,
+            # what the job's progress is read from (speccompat.dataset.parallel.DataSetProgress): the shard's samples,
             # those done now, and the entries the part holds now (each one appended after is one more)
             own.header["shard"] = {"index": K, "num_shards": N, "samples": len(mine), "done": len(plan.done_ids),
                                    "entries": len(own.entries)}
@@ -302,17 +304,17 @@ def open_shard(out_dir: Path, samples: list[Sample], provenance: dict[str, Any],
                            check_threads=check_threads, what="of this shard against the manifests",
                            annotate=progress_facts)
         ddir.remove_leftovers(set(plan.files.values()))
-        need = expected_bytes(plan.todo, len(layer_ids), hidden, dtype)
+        need = expected_bytes(plan.todo, spec)
         free = ddir.free()
         logger.info("shard %d of %d: %d of the input's %d samples; %d already done (by any shard); %d to extract "
                     "(layers %s, hidden %d, %s, %s layout); %s still to write, free in %s: %s", K, N, len(mine),
-                    len(samples), len(plan.done_ids), len(plan.todo), layer_ids, hidden, dtype, layout.name,
-                    human(need), out_dir, human(free))
+                    len(samples), len(plan.done_ids), len(plan.todo), list(spec.layer_ids), spec.hidden_size, spec.dtype,
+                    layout.name, human(need), out_dir, human(free))
         if need > free:
             raise Rejected(f"not enough disk space in {out_dir}: {human(need)} needed by this shard, "
                            f"{human(free)} free")
         ds = OpenDataset(out_dir, layout, own, provenance, mine, plan.todo, plan.files, len(plan.done_ids),
-                         layer_ids, dtype, hidden, (dir_lock, part_lock), speculators_version)
+                         spec, (dir_lock, part_lock), speculators_version)
         ds.extra.update(extra or {})
         ds.extra["shard"] = shard
         stack.pop_all()
@@ -406,8 +408,7 @@ def merge_dataset(out_dir: Path, threads: int = 4, *, command: str | None = None
         if problems:
             return MergeResult(problems, 0, names)
 
-        prov = ref["provenance"]
-        layout = layout_named(ref["layout"], prov["hidden_states"]["layer_ids"])
+        layout = layout_of(ref)
         check = ddir.check_fn(layout, digest_fn(ref["checksum"]))
         by_file: dict[str, list[dict[str, Any]]] = {}
         for m in sources:
@@ -431,7 +432,7 @@ def merge_dataset(out_dir: Path, threads: int = 4, *, command: str | None = None
                 problems.append(f"{f}: {len(es)} different entries in the parts and the file matches none; "
                                 "it is left out (a re-run redoes it)")
         merged.sort(key=lambda e: (e["line"], str(e["id"])))
-        out = Manifest(out_dir)
+        out = ddir.new_manifest()
         out.header = {**{k: v for k, v in ref.items() if k != "shard"}, "run": merged_run(sources, len(names), command)}
         out.entries = {e["file"]: e for e in merged}
         out.rewrite()

@@ -38,22 +38,36 @@ FP8_SPECULATORS_04 = ("--dtype fp8 cannot be read by speculators 0.3/0.4 (--layo
 class StoredSpec:
     """What the sample files of one data set hold: ``dtype`` (a key of :data:`DTYPES`), the fp8
     scales' ``granularity`` (None unless fp8), the stored ``layer_ids`` (speccompat's numbering:
-    output of decoder layer i) and ``hidden_size``."""
+    output of decoder layer i) and ``hidden_size``.
+
+    A run builds it once from its options (:meth:`of_options`) and passes it down: the provenance's
+    ``hidden_states`` record is written from it, the directory opens with it, the writer casts and
+    quantizes by it. A stored set's spec is read from its provenance (:meth:`of_provenance`)."""
 
     dtype: str
     layer_ids: tuple[int, ...]
     hidden_size: int
     granularity: str | None = None
 
-    @property
-    def serving_ids(self) -> tuple[int, ...]:
-        """The same layers in vLLM's numbering (aux hidden state i+1)."""
-        return tuple(i + 1 for i in self.layer_ids)
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if (self.granularity is not None) != (self.dtype == "fp8"):
+            raise ValueError(f"an fp8 scale granularity goes with dtype fp8 only (dtype {self.dtype}, "
+                             f"granularity {self.granularity!r})")
+        if not self.layer_ids or not all(isinstance(i, int) and i >= 0 for i in self.layer_ids):
+            raise ValueError(f"layer ids must be one or more integers >= 0, not {list(self.layer_ids)}")
+        if not isinstance(self.hidden_size, int) or self.hidden_size < 1:
+            raise ValueError(f"hidden size must be a positive integer, not {self.hidden_size!r}")
+        object.__setattr__(self, "layer_ids", tuple(self.layer_ids))
 
-    @property
-    def safetensors_dtype(self) -> str:
-        """The safetensors dtype name of the stored hidden states."""
-        return DTYPES[self.dtype][1]
+    @classmethod
+    def of_options(cls, dtype: str, layer_ids: list[int] | tuple[int, ...], hidden_size: int,
+                   fp8_scale: str | None = None) -> StoredSpec:
+        """The spec of a run's options (``--dtype``, ``--fp8-scale``: :data:`DEFAULT_GRANULARITY` when
+        fp8 and none is named; ignored otherwise, which the command line refuses before)."""
+        return cls(dtype, tuple(layer_ids), int(hidden_size), (fp8_scale or DEFAULT_GRANULARITY) if dtype == "fp8"
+                   else None)
 
     @classmethod
     def of_provenance(cls, prov: dict[str, Any]) -> StoredSpec:
@@ -61,3 +75,29 @@ class StoredSpec:
         hs = prov["hidden_states"]
         granularity = ((hs.get("fp8") or {}).get("scale") or DEFAULT_GRANULARITY) if hs["dtype"] == "fp8" else None
         return cls(hs["dtype"], tuple(hs["layer_ids"]), int(prov["model"]["hidden_size"]), granularity)
+
+    @property
+    def serving_ids(self) -> tuple[int, ...]:
+        """The same layers in vLLM's numbering (aux hidden state i+1)."""
+        return tuple(i + 1 for i in self.layer_ids)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype == "fp8"
+
+    @property
+    def safetensors_dtype(self) -> str:
+        """The safetensors dtype name of the stored hidden states."""
+        return DTYPES[self.dtype][1]
+
+    @property
+    def torch_dtype_name(self) -> str:
+        """The name in ``torch`` of the stored hidden states' dtype (``getattr(torch, name)``)."""
+        return DTYPES[self.dtype][2]
+
+    def expected_bytes(self, num_tokens: int) -> int:
+        """An upper bound of the bytes ``num_tokens`` tokens of this spec take in one sample's files
+        (states, fp8 scales at most one per token and layer, input ids and loss mask, the file's header)."""
+        n_layers = len(self.layer_ids)
+        scales = 4 * n_layers if self.is_fp8 else 0
+        return n_layers * num_tokens * self.hidden_size * DTYPES[self.dtype][0] + (16 + scales) * num_tokens + 4096

@@ -33,7 +33,7 @@ from packaging.version import Version
 from .formats import Encoded, Layout, owned, st_dtype, tensor_buffer
 from .fsutil import write_atomic
 from .names import SPECULATORS_SIDE_FILES, token_freq_beside
-from .spec import FP8_SPECULATORS_04, SPECULATORS, SUFFIXES
+from .spec import FP8_SPECULATORS_04, SPECULATORS, SUFFIXES, StoredSpec
 
 __all__ = ["FP8_SPECULATORS_04", "SpeculatorsLayout", "default_token_freq_path", "write_side_files"]
 
@@ -54,8 +54,8 @@ def _data_config(entries: list[dict[str, Any]], info: dict[str, Any]) -> dict[st
 
     prov, extra = info["provenance"], info.get("extra") or {}
     versions = prov["versions"]
-    hidden = int(prov["model"]["hidden_size"])
-    layer_ids = list(prov["hidden_states"]["layer_ids"])
+    spec = StoredSpec.of_provenance(prov)
+    hidden, layer_ids = spec.hidden_size, list(spec.layer_ids)
     cfg = cg.DataGenerationConfig(
         version=cg.DataGenerationConfig.VERSION,
         generated_at=prov["created"],
@@ -121,12 +121,12 @@ class SpeculatorsLayout(Layout):
     def is_sample_file(self, name: str) -> bool:
         return name.startswith("data_") and name.endswith(".pt")
 
-    def tensors(self, sample: Any, hidden_states: list[Any], layer_ids: list[int], dtype: Any,
-                fp8_scale: str | None = None) -> list[tuple[str, Any]]:
+    def tensors(self, sample: Any, hidden_states: list[Any], spec: StoredSpec) -> list[tuple[str, Any]]:
         import torch
 
-        if fp8_scale is not None:  # refused before anything starts (fp8.refuse_layout); never written
+        if spec.is_fp8:  # refused before anything starts (fp8.refuse_layout); never written
             raise ValueError(FP8_SPECULATORS_04)
+        layer_ids, dtype = spec.layer_ids, getattr(torch, spec.torch_dtype_name)
         mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.num_tokens
         named = [("input_ids", torch.tensor(sample.input_ids, dtype=torch.long)),
                  ("loss_mask", torch.tensor(mask, dtype=torch.long))]

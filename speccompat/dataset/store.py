@@ -26,7 +26,7 @@ from .fsutil import human
 from .inputs import Sample
 from .layouts import layout_named
 from .manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
-from .spec import DTYPES, SPECULATORS
+from .spec import SPECULATORS, StoredSpec
 from .writer import DatasetWriter, WriteJob
 
 __all__ = ["OpenDataset", "open_dataset"]
@@ -44,9 +44,7 @@ class OpenDataset:
     todo: list[Sample]
     files: dict[str, str]  # id -> file name
     done: int
-    layer_ids: list[int]
-    dtype: str
-    hidden_size: int
+    spec: StoredSpec  # what the sample files hold: dtype, fp8 scales, layers, width
     lock: Any = None  # a DirLock (a whole run) or (directory lock, part lock) (a shard)
     speculators_version: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -54,6 +52,18 @@ class OpenDataset:
     @property
     def dir(self) -> DatasetDir:
         return DatasetDir(self.out_dir)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.spec.layer_ids)
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
 
     @property
     def checksum(self) -> str:
@@ -84,14 +94,8 @@ class OpenDataset:
         return WriteJob(sample, self.files[sample.id], hidden_states, entry, meta)
 
     def writer(self, *, threads: int = 4, max_in_flight_bytes: int = 8 << 30, **kw: Any) -> DatasetWriter:
-        import torch
-
-        from .fp8 import granularity_of
-
-        kw.setdefault("fp8_scale", granularity_of(self.provenance))
-        return DatasetWriter(self.out_dir, self.layout, self.manifest, layer_ids=self.layer_ids,
-                             dtype=getattr(torch, DTYPES[self.dtype][2]), checksum=self.checksum, threads=threads,
-                             max_in_flight_bytes=max_in_flight_bytes, **kw)
+        return DatasetWriter(self.out_dir, self.layout, self.manifest, spec=self.spec, checksum=self.checksum,
+                             threads=threads, max_in_flight_bytes=max_in_flight_bytes, **kw)
 
     def keep_input_order(self) -> None:
         """Rewrite the manifest with its entries in input order (this run's samples first, in order;
@@ -116,25 +120,30 @@ class OpenDataset:
                        extra=self.extra, speculators_version=self.speculators_version, changed=bool(self.todo))
 
 
-def expected_bytes(samples: list[Sample], n_layers: int, hidden: int, dtype: str) -> int:
-    per = DTYPES[dtype][0]
-    scales = 4 * n_layers if dtype == "fp8" else 0  # float32 scales, at most one per token and layer
-    return sum(n_layers * s.num_tokens * hidden * per + (16 + scales) * s.num_tokens + 4096 for s in samples)
+def expected_bytes(samples: list[Sample], spec: StoredSpec) -> int:
+    """What ``samples`` take on disk at most, stored as ``spec`` says."""
+    return sum(spec.expected_bytes(s.num_tokens) for s in samples)
 
 
-def run_facts(ddir: DatasetDir, provenance: dict[str, Any]) -> tuple[list[int], str, int, Layout]:
-    """``(layer ids, dtype, hidden size, layout)`` of a run from its provenance, once the directory
-    is known to be usable."""
-    hs = provenance["hidden_states"]
-    layer_ids, dtype = list(hs["layer_ids"]), hs["dtype"]
-    layout = layout_named(provenance["layout"], layer_ids, provenance["model"].get("num_hidden_layers"))
+def run_spec(provenance: dict[str, Any], spec: StoredSpec | None) -> StoredSpec:
+    """The run's spec: ``spec`` as the command built it (its provenance was written from it: they
+    must agree), or, for a caller that has only the provenance, the spec it records."""
+    recorded = StoredSpec.of_provenance(provenance)
+    if spec is not None and spec != recorded:
+        raise ValueError(f"the run stores {spec}, its provenance records {recorded}")
+    return spec or recorded
+
+
+def run_facts(ddir: DatasetDir, provenance: dict[str, Any], spec: StoredSpec) -> Layout:
+    """The layout of a run that stores ``spec``, once the directory is known to be usable."""
+    layout = layout_named(provenance["layout"], list(spec.layer_ids), provenance["model"].get("num_hidden_layers"))
     from .fp8 import refuse
 
-    if why := refuse(dtype, layout.name):
+    if why := refuse(spec.dtype, layout.name):
         raise Rejected(why)
     ddir.ensure()
     ddir.check_own_dirs()
-    return layer_ids, dtype, int(provenance["model"]["hidden_size"]), layout
+    return layout
 
 
 def differences(stored_header: dict[str, Any] | None, provenance: dict[str, Any], samples: list[Sample],
@@ -167,17 +176,19 @@ def run_info(extra: dict[str, Any] | None) -> dict[str, Any]:
     return {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), **(extra or {})}
 
 
-def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], *, overwrite: bool = False,
-                 check_threads: int = 4, speculators_version: str | None = None,
+def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any], *, spec: StoredSpec | None = None,
+                 overwrite: bool = False, check_threads: int = 4, speculators_version: str | None = None,
                  extra: dict[str, Any] | None = None) -> OpenDataset:
     """Everything before the engine: raises :class:`Rejected` for any reason not to start (the
-    directory's lock is released then). ``extra``: run facts kept in the header (data_config.json)."""
+    directory's lock is released then). ``spec``: what the run stores (:func:`run_spec`);
+    ``extra``: run facts kept in the header (data_config.json)."""
     ddir = DatasetDir(out_dir)
     out_dir = ddir.root
-    layer_ids, dtype, hidden, layout = run_facts(ddir, provenance)
+    spec = run_spec(provenance, spec)
+    layout = run_facts(ddir, provenance, spec)
     with contextlib.ExitStack() as stack:
         lock = stack.enter_context(ddir.lock())
-        ds = _open_locked(ddir, layout, samples, provenance, layer_ids, dtype, hidden, overwrite=overwrite,
+        ds = _open_locked(ddir, layout, samples, provenance, spec, overwrite=overwrite,
                           check_threads=check_threads, extra=extra)
         ds.lock, ds.speculators_version = lock, speculators_version
         ds.extra.update(extra or {})
@@ -186,8 +197,7 @@ def open_dataset(out_dir: Path, samples: list[Sample], provenance: dict[str, Any
 
 
 def _open_locked(ddir: DatasetDir, layout: Layout, samples: list[Sample], provenance: dict[str, Any],
-                 layer_ids: list[int], dtype: str, hidden: int, *, overwrite: bool, check_threads: int,
-                 extra: dict[str, Any] | None) -> OpenDataset:
+                 spec: StoredSpec, *, overwrite: bool, check_threads: int, extra: dict[str, Any] | None) -> OpenDataset:
     out_dir = ddir.root
     if parts := ddir.parts():
         raise Rejected(f"{out_dir} holds {len(parts)} manifest part(s) of a sharded extraction ({parts[0]} ...): "
@@ -225,7 +235,7 @@ def _open_locked(ddir: DatasetDir, layout: Layout, samples: list[Sample], proven
     if not overwrite:
         refuse_differences(out_dir, diffs, "Use another --output-dir, or --overwrite to redo every sample of this "
                                            "input")
-    total = expected_bytes(samples, len(layer_ids), hidden, dtype)
+    total = expected_bytes(samples, spec)
 
     keep_created = None if overwrite else (manifest.provenance or {}).get("created")
     if keep_created:
@@ -254,17 +264,18 @@ def _open_locked(ddir: DatasetDir, layout: Layout, samples: list[Sample], proven
         if len(old) > 1 or ddir.interrupted_overwrite():
             logger.info("--overwrite: moving the old data set (%d file(s)) aside and deleting it", len(old))
         ddir.move_aside(old)
-        manifest = Manifest(out_dir)
+        manifest = ddir.new_manifest()
         stored = {}
     manifest.header = {"speccompat_dataset": SCHEMA_VERSION, "layout": layout.name, "checksum": checksum,
                        "provenance": provenance, "provenance_sha256": prov_mod.digest(provenance),
                        "run": run_info(extra)}
     plan = plan_resume(ddir, manifest, samples, samples, stored, layout, digest, check_threads=check_threads,
                        fresh=overwrite)
-    need = expected_bytes(plan.todo, len(layer_ids), hidden, dtype)
+    need = expected_bytes(plan.todo, spec)
     free = ddir.free()
     logger.info("%d of %d samples already done; %d to extract (layers %s, hidden %d, %s, %s layout)",
-                len(plan.done_ids), len(samples), len(plan.todo), layer_ids, hidden, dtype, layout.name)
+                len(plan.done_ids), len(samples), len(plan.todo), list(spec.layer_ids), spec.hidden_size, spec.dtype,
+                layout.name)
     logger.info("expected size: %s for all %d samples, %s still to write; free in %s: %s", human(total),
                 len(samples), human(need), out_dir, human(free))
     if need > free:
@@ -273,4 +284,4 @@ def _open_locked(ddir: DatasetDir, layout: Layout, samples: list[Sample], proven
     if need > 0.9 * free:
         logger.warning("the output will leave less than 10%% of %s free", out_dir)
     return OpenDataset(out_dir, layout, manifest, provenance, samples, plan.todo, plan.files, len(plan.done_ids),
-                       layer_ids, dtype, hidden)
+                       spec)

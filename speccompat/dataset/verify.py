@@ -26,7 +26,7 @@ from .checksum import digest_fn
 from .directory import TRASH_NAME, DatasetDir
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_REJECTED, DatasetError
 from .fsutil import LOCK_NAME, TMP_SUFFIX
-from .layouts import layout_named
+from .layouts import layout_of
 from .manifest import MANIFEST_NAME
 
 __all__ = ["add_parser", "check_view", "main", "verify_dataset"]
@@ -36,7 +36,7 @@ def check_view(ddir: DatasetDir, m: Any, layout: Any = None) -> list[str]:
     """Problems of a layout's derived files (speculators-arrow: the trainer's view); none for a
     layout without. ``layout``: the manifest's when not given."""
     if layout is None:
-        layout = layout_named(m.header["layout"], m.provenance["hidden_states"]["layer_ids"])
+        layout = layout_of(m.header)
     return layout.check_view(ddir.root, m) if hasattr(layout, "check_view") else []
 
 
@@ -54,7 +54,7 @@ def verify_dataset(out_dir: Path, threads: int = 4, *, view: bool = True,
             return problems, 0
         return [*problems, f"{m.path}: no manifest header: not a speccompat data set"], 0
     prov = m.provenance
-    layout = layout_named(m.header["layout"], prov["hidden_states"]["layer_ids"])
+    layout = layout_of(m.header)
     digest = digest_fn(m.header["checksum"])
     prov_sha = m.header["provenance_sha256"]
     if prov_mod.digest(prov) != prov_sha:

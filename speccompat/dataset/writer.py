@@ -50,6 +50,7 @@ from .errors import NoSpace, WriterFailed
 from .formats import Layout
 from .fsutil import TMP_SUFFIX, FileOps, is_no_space, write_all
 from .manifest import Manifest
+from .spec import StoredSpec
 
 __all__ = ["DatasetWriter", "WriteJob", "WriterStats"]
 
@@ -92,13 +93,14 @@ class _Batch:
 class DatasetWriter:
     """Write :class:`WriteJob` batches into ``out_dir`` under ``manifest``, in the background."""
 
-    def __init__(self, out_dir: Path, layout: Layout, manifest: Manifest, *, layer_ids: list[int], dtype: Any,
-                 checksum: str, threads: int = 4, max_in_flight_bytes: int = 8 << 30, ops: FileOps | None = None,
-                 check_cast: bool = True, on_commit: Callable[[list[dict[str, Any]]], None] | None = None,
-                 fp8_scale: str | None = None) -> None:
+    def __init__(self, out_dir: Path, layout: Layout, manifest: Manifest, *, spec: StoredSpec, checksum: str,
+                 threads: int = 4, max_in_flight_bytes: int = 8 << 30, ops: FileOps | None = None,
+                 check_cast: bool = True, on_commit: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+        import torch
+
         self.out_dir, self.layout, self.manifest = Path(out_dir), layout, manifest
-        self.layer_ids, self.dtype, self.check_cast = list(layer_ids), dtype, check_cast
-        self.fp8_scale = fp8_scale  # quantize to fp8 with scales of this granularity (speccompat.dataset.fp8)
+        self.spec, self.check_cast = spec, check_cast
+        self.dtype = getattr(torch, spec.torch_dtype_name)  # what a cast stores (fp8: quantized by spec.granularity)
         self.digest = digest_fn(checksum)
         self.ops = ops or FileOps()
         self.manifest.ops = self.ops  # the manifest append is one of the writer's file operations
@@ -210,19 +212,16 @@ class DatasetWriter:
         t0 = time.perf_counter()
         # the manifest must take the entry: a sample it cannot encode fails here, alone, not in the commit
         entry_json({**job.entry, "file": job.file}).encode("utf-8")
-        if self.fp8_scale is not None:  # quantize() refuses a non-finite state; fp8 values never overflow
-            named = self.layout.tensors(job.sample, job.hidden_states, self.layer_ids, self.dtype,
-                                        fp8_scale=self.fp8_scale)
-        else:
-            named = self.layout.tensors(job.sample, job.hidden_states, self.layer_ids, self.dtype)
+        # for fp8, quantize() refuses a non-finite state; fp8 values never overflow
+        named = self.layout.tensors(job.sample, job.hidden_states, self.spec)
         flushed = values = 0
-        if self.fp8_scale is not None:  # a value that is not 0 but stored as 0: counted, the run says it
+        if self.spec.is_fp8:  # a value that is not 0 but stored as 0: counted, the run says it
             zeros_in = sum(int(torch.count_nonzero(h == 0)) for h in job.hidden_states)
             values = sum(h.numel() for h in job.hidden_states)
             zeros_out = sum(t.numel() - int(torch.count_nonzero(t.view(torch.uint8) & 0x7F))  # +0 and -0
                             for n, t in named if n.startswith("hidden_states") and t.dtype == torch.float8_e4m3fn)
             flushed = zeros_out - zeros_in
-        if self.check_cast and self.fp8_scale is None:
+        if self.check_cast and not self.spec.is_fp8:
             src = {h.dtype for h in job.hidden_states}
             if src != {self.dtype}:  # a cast may overflow (float32 -> float16): check what is stored
                 for name, t in named:

@@ -186,8 +186,9 @@ class FP8Backend(FileBackend):
 
     def tensors(self, token_ids: Any, states: list[Any]) -> dict[str, Any]:
         from speccompat.dataset import fp8
+        from speccompat.dataset.spec import DEFAULT_GRANULARITY
 
-        values, scales = fp8.quantize(states, fp8.DEFAULT_GRANULARITY, stack=True)
+        values, scales = fp8.quantize(states, DEFAULT_GRANULARITY, stack=True)
         return {"hidden_states": values, fp8.SCALES: scales, "token_ids": token_ids}
 
 

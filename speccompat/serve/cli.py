@@ -258,18 +258,29 @@ def load_tokenizer(model_path: str) -> tuple[Any, str | None]:
     return tok, None
 
 
-def write_provenance(args: argparse.Namespace, info: Any, status: Any) -> Path | None:
-    """``provenance.json`` in the hidden-states directory (what ``check-draft`` reads), or None."""
+def write_provenance(args: argparse.Namespace, info: Any, status: Any, gen: Any = None) -> Path | None:
+    """``provenance.json`` in the hidden-states directory (what ``check-draft`` reads), or None.
+    The stored dtype is the engine's (``gen``'s model config: what vLLM resolved ``auto`` to), else
+    the one config.json names."""
     if args.hidden_states_dir is None:
         return None
     from speccompat.dataset import collect_provenance
     from speccompat.dataset.fsutil import write_atomic
+    from speccompat.dataset.spec import DTYPES, StoredSpec
     from speccompat.layers import _config_dict
 
-    cfg = _config_dict(args.model_path)
-    dtype = (cfg.get("text_config") or cfg).get("torch_dtype") or cfg.get("torch_dtype") or "the model's"
-    prov = collect_provenance(model_path=args.model_path, info=info, layer_ids=list(args.layer_ids),
-                              dtype="fp8" if args.backend == "fp8" else str(dtype), max_seq_len=args.max_model_len - 1,
+    if args.backend == "fp8":
+        dtype = "fp8"
+    else:  # the file transfer stores the engine's states as they are
+        engine = getattr(getattr(getattr(gen, "vllm_config", None), "model_config", None), "dtype", None)
+        cfg = _config_dict(args.model_path)
+        named = [engine, *(c.get(k) for c in (cfg.get("text_config") or {}, cfg) for k in ("dtype", "torch_dtype"))]
+        dtype = next((str(d).removeprefix("torch.") for d in named if d), None)
+        if dtype not in DTYPES:
+            raise ValueError(f"{args.model_path}/config.json names no dtype this record knows ({dtype!r}): the stored "
+                             f"states' dtype is not recorded")
+    spec = StoredSpec.of_options(dtype, list(args.layer_ids), info.hidden_size)
+    prov = collect_provenance(model_path=args.model_path, info=info, spec=spec, max_seq_len=args.max_model_len - 1,
                               on_long_line="refuse", tensor_parallel_size=args.tp_size,
                               layout=f"speccompat-serve-{args.backend}", status=status)
     path = Path(args.hidden_states_dir) / "provenance.json"
@@ -329,7 +340,7 @@ def serve(args: argparse.Namespace, *, generator_factory: Any = None, stream: An
     from speccompat.layers import describe_for_training
 
     try:
-        if (path := write_provenance(args, info, speccompat.status())) is not None:
+        if (path := write_provenance(args, info, speccompat.status(), gen)) is not None:
             logger.info("provenance: %s", path)
     except Exception as exc:  # noqa: BLE001 - the record is for check-draft; serving goes on
         logger.warning("could not write provenance.json: %s", exc)

@@ -20,11 +20,16 @@ HOSTILE = [
 ]
 
 
-def provenance(model: Path, layout: str = "safetensors", **kw):
+def provenance(model: Path, layout: str = "safetensors", *, layer_ids=LAYERS, dtype: str = "bfloat16",
+               fp8_scale: str | None = None, **kw):
+    """The provenance of a run of the fake model storing ``layer_ids`` as ``dtype`` (as the driver
+    builds it: a StoredSpec of the options)."""
     from speccompat.dataset import collect_provenance, read_model_info
+    from speccompat.dataset.spec import StoredSpec
 
     info = read_model_info(str(model))
-    args = dict(model_path=str(model), info=info, layer_ids=LAYERS, dtype="bfloat16", max_seq_len=64,
+    spec = StoredSpec.of_options(dtype, layer_ids, info.hidden_size, fp8_scale)
+    args = dict(model_path=str(model), info=info, spec=spec, max_seq_len=64,
                 on_long_line="truncate", tensor_parallel_size=1, layout=layout,
                 status={"state": "armed", "adapter": "vllm_0_29_0", "vllm": {"raw": "0.32.0"},
                         "speculators": {"raw": "0.4.0.1"}, "patches": [{"id": "generator.generate", "state": "pending"}]})

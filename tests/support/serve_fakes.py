@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run as a script: the repository and tests/support's parent
@@ -42,6 +43,9 @@ class FakeGen:
         self.alone = 0
         self._speccompat_stats: dict = {}
         self.executor = None
+        import torch  # what vLLM resolved the model's dtype to (fake_states' dtype)
+
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16))
 
     def generate(self, seqs, copy=True):
         from speccompat.errors import HiddenStatesError
