@@ -235,3 +235,16 @@ def _start_method_kept():
     yield
     if multiprocessing.get_start_method(allow_none=True) != before:
         multiprocessing.set_start_method(before, force=True)
+
+
+@pytest.fixture
+def world(tmp_path):
+    """(root, a fake model, its prepared data, the data's samples): 10 random records and 12 with
+    hostile ids (tests/support/dataset_runs.HOSTILE)."""
+    from support.dataset_fakes import jsonl, model_dir, random_records
+    from support.dataset_runs import HOSTILE, scan
+
+    model = model_dir(tmp_path)
+    records = random_records(10) + [{"id": i, "input_ids": [5, 6, 7, k + 4]} for k, i in enumerate(HOSTILE[:12])]
+    data = jsonl(tmp_path / "data.jsonl", records)
+    return tmp_path, model, data, scan(data)

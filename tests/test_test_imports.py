@@ -45,3 +45,38 @@ def test_the_rule_sees_a_planted_import(tmp_path):
     planted = tmp_path / "test_planted.py"
     planted.write_text("def test_x():\n    from test_dataset import scan\n    import conftest\n")
     assert [n for n in _imported(planted) if _bad(n)] == ["test_dataset", "conftest"]
+
+
+#: test modules of the data set library named after a property that spans its modules, not a module
+DATASET_PROPERTIES = {
+    "fuzz": "no traceback whatever the bytes, across verify, merge, export, check-draft and the resume check",
+    "outside": "nothing outside the output directory is touched and no half set is left, across export, merge, verify",
+    "package": "the package itself (speccompat/dataset/__init__.py): what importing it imports",
+}
+
+
+def _dataset_test_misnamed(test_names: list[str], modules: set[str]) -> list[str]:
+    """The ``test_dataset_<what>`` names whose ``<what>`` neither begins with a module of the
+    data set library (``test_dataset_extract_driver``: ``extract``) nor is a declared property."""
+    bad = []
+    for name in test_names:
+        what = name.removeprefix("test_dataset_")
+        if what in DATASET_PROPERTIES:
+            continue
+        if not any(what == m or what.startswith(m + "_") for m in modules):
+            bad.append(name)
+    return bad
+
+
+def test_the_data_set_tests_are_named_after_what_they_test():
+    """tests/test_dataset_<module>[_<aspect>].py follows speccompat/dataset/<module>.py; the check
+    sees a planted misnamed module."""
+    modules = {p.stem for p in (TESTS.parent / "speccompat" / "dataset").glob("*.py") if p.stem != "__init__"}
+    names = sorted(p.stem for p in TESTS.glob("test_dataset_*.py"))
+    assert len(names) >= 15
+    assert _dataset_test_misnamed(names, modules) == []
+    assert _dataset_test_misnamed(["test_dataset_rest", "test_dataset_shards_speculators"], modules) == ["test_dataset_rest"]
+    have = {m for m in modules for n in names if n.removeprefix("test_dataset_") == m
+            or n.removeprefix("test_dataset_").startswith(m + "_")}
+    assert {"names", "inputs", "provenance", "formats", "arrow_format", "speculators_format", "directory", "store",
+            "writer", "reader", "verify", "shards", "extract", "check_draft", "parallel", "fp8"} <= have

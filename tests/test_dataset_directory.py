@@ -506,3 +506,27 @@ def test_the_stored_spec_refuses_what_no_set_stores(args, why):
 
     with pytest.raises(ValueError, match=why):
         StoredSpec(*args)
+
+
+def test_a_token_frequency_file_inside_the_output_directory_is_refused(tmp_path, monkeypatch, caplog):
+    from speccompat.cli import main
+    from speccompat.dataset import extract as ex
+
+    model = model_dir(tmp_path)
+    data = jsonl(tmp_path / "d.jsonl", random_records(3))
+    out = tmp_path / "out"
+    monkeypatch.setattr(ex, "start_generator", lambda *a: pytest.fail("the engine must not start"))
+    for inside in (out / "token_freq.pt", out / "sub" / "f.pt", out):
+        caplog.clear()
+        code = ex.main(["--model-path", str(model), "--prepared-data", str(data), "--output-dir", str(out),
+                        "--format", "speculators", "--layer-ids", "1", "2", "4", "5", "--token-freq-path",
+                        str(inside)])
+        assert code == 2 and not out.exists(), inside
+        assert "is inside the output directory" in caplog.text
+    os.symlink(tmp_path, tmp_path / "via")  # the same place through a link
+    out.mkdir()
+    assert main(["merge", str(out), "--token-freq-path", str(tmp_path / "via" / "out" / "f.pt")]) == 2
+    assert sorted(os.listdir(out)) == []
+    beside = ex.ExtractConfig(model_path=str(model), prepared_data=data, output_dir=out, layout="speculators",
+                              layer_ids=[1, 2, 4, 5], token_freq_path=tmp_path / "out.freq.pt")
+    assert ex.check_settings(beside)[1] == [1, 2, 4, 5]  # beside the directory: accepted

@@ -1,4 +1,4 @@
-"""``--format speculators`` output read by speculators' own training data loader
+"""``--layout speculators`` output read by speculators' own training data loader
 (``speculators.train.data.Eagle3SampleFileDataset``) of 0.3.0 and 0.4.0.1, unchanged, with fake
 results (no engine). Each version runs in its own process (one speculators per interpreter)."""
 

@@ -1,4 +1,4 @@
-"""``--format speculators-arrow``, ``speccompat export`` and the reader, with fake results (no engine):
+"""``--layout speculators-arrow``, ``speccompat export`` and the reader, with fake results (no engine):
 speculators 0.9.0's and 0.6.0's own ``ArrowDataset`` (from the released wheels) read what the writer
 wrote, tensor-equal; export round trips are tensor-equal and verify; bad layer sets are refused."""
 
@@ -304,3 +304,21 @@ def test_export_records_the_layers_it_stores(tmp_path):
         h = states(s)
         for pos, stored in enumerate([0, 2, 1, 3]):
             assert torch.equal(rd[k]["hidden_states"][pos], h[stored].to(torch.float16))
+
+
+@needs_torch
+def test_two_builds_of_one_arrow_view_are_byte_identical(tmp_path, monkeypatch):
+    pytest.importorskip("datasets", reason="the speculators-arrow layout")
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    model = model_dir(tmp_path)
+    samples = scan(jsonl(tmp_path / "d.jsonl", random_records(5, seed=6)))
+    for name in ("a", "b"):
+        run(tmp_path / name, samples, provenance(model, layout="speculators-arrow"), batch=2)
+
+    def files(d):
+        return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
+                and not p.name.endswith(".lock")}
+
+    a, b = files(tmp_path / "a"), files(tmp_path / "b")
+    assert sorted(a) == sorted(b) and "state.json" in a
+    assert [k for k in a if a[k] != b[k]] == []

@@ -1,4 +1,4 @@
-"""``--format speculators`` written by two shards and finished by the job's merge
+"""``--layout speculators`` written by two shards and finished by the job's merge
 (``finish_job``): the same files as one run, side files included (data_config.json,
 sample_lengths.json, the token-frequency file), with fake results (no engine)."""
 
