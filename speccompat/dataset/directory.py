@@ -63,6 +63,7 @@ from .names import (
     bad_name,
     part_lock_name,
     part_name,
+    tmp_name,
     token_freq_beside,
 )
 from .spec import StoredSpec
@@ -278,7 +279,7 @@ class DatasetDir:
         if not os.path.lexists(path):
             from .fsutil import fsync_dir, write_durable
 
-            tmp = self.path(f"{HEADER_NAME}.{os.getpid()}{TMP_SUFFIX}")
+            tmp = self.path(tmp_name(HEADER_NAME))
             write_durable(tmp, data)
             try:
                 os.link(tmp, path)  # atomic and exclusive: EEXIST when another shard was first

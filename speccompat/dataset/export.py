@@ -81,7 +81,7 @@ def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, lay
     from .directory import _verify_contents
     from .inputs import input_digest
 
-    path = src / entry["file"]
+    path = DatasetDir(src).path(entry["file"])
     try:
         _meta, raw, keep = layout.read(path)
     except (OSError, ValueError) as exc:

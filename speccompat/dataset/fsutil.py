@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 
 from .errors import Rejected
-from .names import LOCK_NAME, TMP_SUFFIX, bad_name
+from .names import LOCK_NAME, TMP_SUFFIX, bad_name, tmp_name
 
 __all__ = ["FileOps", "LOCK_NAME", "TMP_SUFFIX", "check_output_dir", "fsync_dir", "human", "is_no_space",
            "write_atomic"]
@@ -96,7 +96,7 @@ def write_durable(path: Path, data: bytes, flags: int = os.O_TRUNC) -> None:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """``path`` has either its old content or ``data``, whenever the process dies."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    tmp = path.with_name(tmp_name(path.name))
     try:
         write_durable(tmp, data)
         os.replace(tmp, path)
@@ -123,7 +123,7 @@ def check_output_dir(out_dir: Path) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise Rejected(f"cannot create --output-dir {out_dir}: {exc.strerror or exc}") from None
-    probe = out_dir / f".speccompat-write-test.{os.getpid()}{TMP_SUFFIX}"
+    probe = out_dir / tmp_name(".speccompat-write-test")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:

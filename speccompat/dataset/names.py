@@ -20,6 +20,7 @@ long name cannot equal a short one, and two long ones are equal only for a SHA-2
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 __all__ = ["ARROW_BUILD_DIR", "ARROW_HS_DIR", "ARROW_INFO_NAME", "ARROW_STATE", "ARROW_TOKEN_FREQ",
            "EXPORT_STAGING", "HEADER_LOCK_NAME", "HEADER_NAME", "LOCK_NAME", "MANIFEST_NAME", "MAX_STEM", "OWN_DIRS",
            "PART_LOCK_RE", "PART_RE", "SPECULATORS_SIDE_FILES", "TMP_SUFFIX", "TRASH_NAME", "bad_name", "id_for_name",
-           "name_for_id", "part_lock_name", "part_name", "token_freq_beside"]
+           "name_for_id", "part_lock_name", "part_name", "tmp_name", "token_freq_beside"]
 
 #: The manifest of a whole run (and of a merged set).
 MANIFEST_NAME = "manifest.jsonl"
@@ -67,6 +68,11 @@ def token_freq_beside(root: Path) -> Path:
     directory is resolved first, so ``--output-dir .`` works."""
     root = Path(root).resolve()
     return root.with_name(root.name + ".token_freq.pt")
+
+
+def tmp_name(name: str, pid: int | None = None) -> str:
+    """What ``name`` is called while this process (or ``pid``) writes it: ``<name>.<pid><TMP_SUFFIX>``."""
+    return f"{name}.{os.getpid() if pid is None else pid}{TMP_SUFFIX}"
 
 
 def part_name(index: int, num_shards: int) -> str:

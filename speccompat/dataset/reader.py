@@ -60,7 +60,8 @@ class HiddenStatesDataset:
     def __init__(self, path: str | Path, layers: list[int] | None = None, dequantize_dtype: Any = None) -> None:
         self.path = Path(path)
         self.dequantize_dtype = dequantize_dtype  # fp8 sets: the dtype returned (default bfloat16)
-        m = DatasetDir(self.path).manifest()
+        self.dir = DatasetDir(self.path)
+        m = self.dir.manifest()
         if m.header is None:
             raise ValueError(f"{self.path}: no manifest.jsonl header: not a speccompat data set")
         self.provenance = m.provenance or {}
@@ -111,7 +112,7 @@ class HiddenStatesDataset:
 
     def __getitem__(self, k: int) -> dict[str, Any]:
         e = self.entries[k]
-        tensors = self._read(self.path / e["file"])
+        tensors = self._read(self.dir.path(e["file"]))
         # the requested layers, in their order (a stacked file's were picked by _read)
         ids, mask, layers = decode_sample(self.layout_name, tensors, self.layer_ids, dtype=self.dequantize_dtype,
                                           scale_layer_ids=self.stored_layer_ids)

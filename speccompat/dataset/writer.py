@@ -48,8 +48,9 @@ from typing import Any
 from .checksum import digest_fn
 from .errors import NoSpace, WriterFailed
 from .formats import Layout
-from .fsutil import TMP_SUFFIX, FileOps, is_no_space, write_all
+from .fsutil import FileOps, is_no_space, write_all
 from .manifest import Manifest
+from .names import tmp_name
 from .spec import StoredSpec
 
 __all__ = ["DatasetWriter", "WriteJob", "WriterStats"]
@@ -229,7 +230,7 @@ class DatasetWriter:
                         raise ValueError(f"id {job.sample.id!r}: {name} has values that do not fit "
                                          f"{self.dtype} (non-finite after the cast)")
         enc = self.layout.encode(named, job.metadata)
-        tmp = str(self.out_dir / f"{job.file}.{os.getpid()}{TMP_SUFFIX}")
+        tmp = str(self.out_dir / tmp_name(job.file))
         ops = self.ops
         fd = ops.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         tensors: dict[str, Any] = {}
