@@ -18,43 +18,6 @@ def cfg(**kw):
     return ex.ExtractConfig(model_path="m", prepared_data="d.jsonl", output_dir="out", **kw)
 
 
-@pytest.mark.parametrize(("settings", "config", "problem"), [
-    ({}, {"max_position_embeddings": 2048},
-     "--max-seq-len 2048: the engine gets max_model_len = max_seq_len + 1 = 2049, more than the model allows "
-     "(config.json max_position_embeddings 2048), which vLLM refuses; use --max-seq-len 2047 or less"),
-    ({"tp_size": 8}, {"num_attention_heads": 4, "num_key_value_heads": 4},
-     "--tp-size 8: the model's 4 attention heads (num_attention_heads) are not divisible by it; use one of [1, 2, 4]"),
-    ({"tp_size": 4}, {"num_attention_heads": 12, "num_key_value_heads": 6},
-     "--tp-size 4: the model's 6 KV heads (num_key_value_heads) can neither be split over it nor replicated "
-     "evenly; use a divisor or a multiple of 6"),
-])
-def test_preflight_names_the_setting_and_a_value_that_works(settings, config, problem):
-    assert ex.preflight(cfg(**settings), config) == [problem]
-
-
-def test_preflight_accepts_settings_that_fit():
-    config = {"text_config": {"max_position_embeddings": 4096, "num_attention_heads": 8, "num_key_value_heads": 2}}
-    assert ex.preflight(cfg(max_seq_len=4095, tp_size=4), config) == []
-    assert ex.preflight(cfg(tp_size=8), {"num_attention_heads": 8, "num_key_value_heads": 2}) == []  # replicated
-    assert ex.preflight(cfg(max_seq_len=9000), {"max_position_embeddings": 2048,
-                                                "rope_scaling": {"type": "linear", "factor": 8}}) == []
-
-
-def test_the_length_limit_follows_vllms_rule():
-    limit = ex.max_model_len_limit
-    assert limit({"max_position_embeddings": 2048, "seq_length": 1024}) == (1024, "config.json seq_length 1024")
-    assert limit({"max_position_embeddings": 2048, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}) == \
-        (4096, "config.json max_position_embeddings 2048 x the RoPE scaling factor 2.0")
-    yarn = {"max_position_embeddings": 131072, "rope_scaling": {"type": "yarn", "factor": 32.0}}  # Kimi-K2
-    assert limit(yarn) == (131072, "config.json max_position_embeddings 131072")
-    assert limit({"max_position_embeddings": 4096}, {"model_max_length": 1000}) == \
-        (1000, "tokenizer_config.json model_max_length 1000")
-    assert limit({"hidden_size": 8}) is None
-    assert ex.preflight(cfg(max_seq_len=1000), {"max_position_embeddings": 4096}, {"model_max_length": 1000}) == [
-        "--max-seq-len 1000: the engine gets max_model_len = max_seq_len + 1 = 1001, more than the model allows "
-        "(tokenizer_config.json model_max_length 1000), which vLLM refuses; use --max-seq-len 999 or less"]
-
-
 def test_a_refused_command_exits_2_before_any_engine_and_writes_nothing(tmp_path, monkeypatch, caplog):
     model = model_dir(tmp_path, max_position_embeddings=2048, num_attention_heads=4, num_key_value_heads=4)
     data = jsonl(tmp_path / "d.jsonl", random_records(3))
@@ -285,15 +248,6 @@ def test_a_bad_vllm_version_override_is_refused_naming_the_variable(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "SPECCOMPAT_VLLM_VERSION='garbage' is not a version: set it to a vLLM release version" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
-
-
-def test_tp_size_needs_that_many_visible_gpus(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert ex.machine_problems(cfg(tp_size=4)) == ["--tp-size 4: only 2 GPU(s) are visible (CUDA_VISIBLE_DEVICES=0,1)"]
-    assert ex.machine_problems(cfg(tp_size=2)) == []
-    assert ex.machine_problems(cfg(tp_size=4, data_parallel_size=2)) == []  # placed by speccompat.dataset.parallel
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert ex.machine_problems(cfg(tp_size=4)) == []
 
 
 def test_the_progress_bar_counts_tokens_on_a_terminal_only(monkeypatch):

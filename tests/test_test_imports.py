@@ -79,4 +79,4 @@ def test_the_data_set_tests_are_named_after_what_they_test():
     have = {m for m in modules for n in names if n.removeprefix("test_dataset_") == m
             or n.removeprefix("test_dataset_").startswith(m + "_")}
     assert {"names", "inputs", "provenance", "formats", "arrow_format", "speculators_format", "directory", "store",
-            "writer", "reader", "verify", "shards", "extract", "check_draft", "parallel", "fp8"} <= have
+            "writer", "reader", "verify", "shards", "extract", "check_draft", "parallel", "fp8", "preflight"} <= have

@@ -1,6 +1,6 @@
 """``speccompat extract``: the hidden states of tokenized samples, one file each (EAGLE-3 step 2).
 
-Arguments -> :class:`ExtractConfig` -> checks (:func:`preflight`: what config.json decides, before
+Arguments -> :class:`ExtractConfig` -> checks (:mod:`.preflight`: what config.json decides, before
 anything starts or is written) -> samples -> generator -> writer. speculators'
 ``VllmHiddenStatesGenerator`` (made to work on this vLLM by ``speccompat.apply()``) is fed
 continuously (:func:`speccompat.generator.stream`): samples are admitted to the engine as it frees
@@ -271,92 +271,17 @@ class ExtractConfig:
         return self.max_seq_len + 1
 
 
-#: config.json keys vLLM takes the model's longest sequence from (the smallest present wins).
-_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
-                 "model_max_length")
-
-
-#: RoPE types whose ``factor`` does not lengthen the model's limit (vLLM's ``_get_and_verify_max_len``).
-_UNSCALED_ROPE = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
-
-
-def max_model_len_limit(model_config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None) -> Any:
-    """``(limit, what)``: the longest max_model_len vLLM accepts for this config (its rule: the
-    smallest length key of config.json, the tokenizer's ``model_max_length``, times a RoPE scaling
-    factor), or ``None`` when config.json names no length."""
-    text = model_config.get("text_config") or model_config
-    limits = {f"config.json {k}": text[k] for k in _MAX_LEN_KEYS if isinstance(text.get(k), int) and text[k] > 0}
-    tok = (tokenizer_config or {}).get("model_max_length")
-    if isinstance(tok, int) and tok > 0:
-        limits["tokenizer_config.json model_max_length"] = tok
-    if not limits:
-        return None
-    key, limit = min(limits.items(), key=lambda kv: kv[1])
-    rope = text.get("rope_scaling") or text.get("rope_parameters")
-    if isinstance(rope, dict) and isinstance(rope.get("factor"), (int, float)) and \
-            rope.get("rope_type", rope.get("type")) not in _UNSCALED_ROPE:
-        return int(limit * rope["factor"]), f"{key} {limit} x the RoPE scaling factor {rope['factor']}"
-    return limit, f"{key} {limit}"
-
-
-def preflight(cfg: ExtractConfig, model_config: dict[str, Any], tokenizer_config: dict[str, Any] | None = None,
-              ) -> list[str]:
-    """What config.json already decides about the settings, checked before any engine starts or
-    anything is written: each problem names the flag, the value, the model's fact and a value that
-    works. ``model_config``: config.json as a dict (``tokenizer_config``: tokenizer_config.json)."""
-    text = model_config.get("text_config") or model_config
-    problems = []
-    found = max_model_len_limit(model_config, tokenizer_config)
-    if found and cfg.max_model_len > found[0] and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") in ("", "0"):
-        problems.append(
-            f"--max-seq-len {cfg.max_seq_len}: the engine gets max_model_len = max_seq_len + 1 = "
-            f"{cfg.max_model_len}, more than the model allows ({found[1]}), which vLLM refuses; "
-            f"use --max-seq-len {found[0] - 1} or less")
-    heads = text.get("num_attention_heads")
-    if isinstance(heads, int) and heads > 0 and heads % cfg.tp_size:
-        problems.append(f"--tp-size {cfg.tp_size}: the model's {heads} attention heads (num_attention_heads) are "
-                        f"not divisible by it; use one of {_divisors(heads)}")
-    kv = text.get("num_key_value_heads")
-    if isinstance(kv, int) and 0 < kv != heads and (kv % cfg.tp_size if kv >= cfg.tp_size else cfg.tp_size % kv):
-        problems.append(f"--tp-size {cfg.tp_size}: the model's {kv} KV heads (num_key_value_heads) can neither be "
-                        f"split over it nor replicated evenly; use a divisor or a multiple of {kv}")
-    return problems
-
-
-def machine_problems(cfg: ExtractConfig) -> list[str]:
-    """What this machine decides: ``--tp-size`` GPUs must be visible (when ``CUDA_VISIBLE_DEVICES``
-    says which; several engines are checked where they are placed, ``speccompat.dataset.parallel``)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or cfg.ray or cfg.data_parallel_size > 1:
-        return []
-    n = len([d for d in visible.split(",") if d.strip()])
-    if n and cfg.tp_size > n:
-        return [f"--tp-size {cfg.tp_size}: only {n} GPU(s) are visible (CUDA_VISIBLE_DEVICES={visible})"]
-    return []
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
-
-
-def _tokenizer_config(model_path: str) -> dict[str, Any] | None:
-    import json
-
-    try:
-        return json.loads((Path(model_path) / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def check_settings(cfg: ExtractConfig) -> Any:
-    """:func:`preflight` on the model's config.json, and the layer ids against its layers; raises
+    """:func:`~speccompat.dataset.preflight.preflight` on the model's config.json and
+    :func:`~speccompat.dataset.preflight.machine_problems`, and the layer ids against its layers; raises
     ``Rejected`` naming every problem. Returns ``(ModelInfo, layer ids)``."""
     from speccompat.dataset import Rejected, read_model_info
     from speccompat.dataset.layouts import layout_named
+    from speccompat.dataset.preflight import machine_problems, preflight, tokenizer_config
     from speccompat.layers import LayerIdsError, _config_dict, resolve_layer_ids
 
     info = read_model_info(cfg.model_path)
-    problems = preflight(cfg, _config_dict(cfg.model_path), _tokenizer_config(cfg.model_path))
+    problems = preflight(cfg, _config_dict(cfg.model_path), tokenizer_config(cfg.model_path))
     problems += machine_problems(cfg)
     from speccompat.dataset.directory import DatasetDir
 

@@ -157,7 +157,7 @@ def _loopback(host: str) -> bool:
 def check_settings(args: argparse.Namespace) -> dict[str, Any]:
     """What config.json and the machine decide before anything starts; raises :class:`Refused`."""
     from speccompat.dataset import Rejected, read_model_info
-    from speccompat.dataset.extract import _tokenizer_config, max_model_len_limit
+    from speccompat.dataset.preflight import tokenizer_config, too_long
     from speccompat.layers import LayerIdsError, _config_dict, training_layers
 
     try:
@@ -168,8 +168,7 @@ def check_settings(args: argparse.Namespace) -> dict[str, Any]:
         training_layers(args.layer_ids, info.num_layers)
     except LayerIdsError as exc:
         raise Refused(f"--layer-ids {' '.join(map(str, args.layer_ids))}: {exc}") from None
-    found = max_model_len_limit(_config_dict(args.model_path), _tokenizer_config(args.model_path))
-    if found and args.max_model_len > found[0] and os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0") in ("", "0"):
+    if found := too_long(args.max_model_len, _config_dict(args.model_path), tokenizer_config(args.model_path)):
         raise Refused(f"--max-model-len {args.max_model_len}: more than the model allows ({found[1]}), which vLLM "
                       f"refuses; use --max-model-len {found[0]} or less")
     if args.backend in ("file", "fp8") and args.hidden_states_dir is None:

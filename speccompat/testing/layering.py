@@ -35,7 +35,7 @@ WINGS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     "data": [
         ("data set: names and spec", ("speccompat.dataset.names", "speccompat.dataset.spec", "speccompat.dataset.errors",
                                       "speccompat.dataset.checksum", "speccompat.dataset.contenthash",
-                                      "speccompat.dataset.fsutil")),
+                                      "speccompat.dataset.fsutil", "speccompat.dataset.preflight")),
         ("data set: records", ("speccompat.dataset.fp8", "speccompat.dataset.inputs", "speccompat.dataset.provenance",
                                "speccompat.dataset.manifest")),
         ("data set: layouts", ("speccompat.dataset.formats", "speccompat.dataset.speculators_format",
