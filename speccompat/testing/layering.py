@@ -4,10 +4,11 @@
 ``tests/test_docs.py`` checks ``docs/architecture.md``'s picture against it). The wings stand on one
 another in this order - the core (``apply()`` and what runs in vLLM's workers: standard library,
 ``packaging`` and ``wrapt`` at module level), the data product (the data set library, its extraction,
-the online server, the command line), dev tooling (the test harness, the evidence
-behind ``compat_matrix.yaml``, the release watch, the demo) - and each wing's floors are listed
-lowest first. A module may import from its own floor and the floors and wings below it, never from
-above; :data:`UPWARD` lists the arrows that run up anyway, each with its reason.
+the online server), dev tooling (the test harness, the evidence behind ``compat_matrix.yaml``, the
+release watch, the demo) - with the command line on top of all three (``speccompat doctor`` is the
+core's, ``extract`` and ``serve`` the data product's, ``demo`` dev tooling's), and each wing's floors
+are listed lowest first. A module may import from its own floor and the floors and wings below it,
+never from above.
 
 :func:`import_graph` reads every ``import`` of ``speccompat/`` and ``adapters/`` (the package
 ``speccompat.adapters``) with :mod:`ast`, those inside functions included; a module's
@@ -46,24 +47,22 @@ WINGS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("scale-out", ("speccompat.dataset.parallel", "speccompat.parallel")),  # the second: its old path
         ("extraction", ("speccompat.dataset.extract",)),
         ("online server", ("speccompat.serve",)),
-        ("command line", ("speccompat.cli", "speccompat.__main__")),
     ],
     "dev": [
         ("harness", ("speccompat.testing",)),
         ("evidence and release watch", ("speccompat.evidence", "speccompat.watch")),
         ("demo", ("speccompat.demo",)),
     ],
+    "entry": [
+        ("command line", ("speccompat.cli", "speccompat.__main__")),
+    ],
 }
 
 #: The wings as the picture in docs/architecture.md names them.
 WING_TITLES = {"core": "core: apply() and the workers (packaging + wrapt)",
-               "data": "data product: dataset/, cli, serve",
-               "dev": "dev tooling: testing/, evidence/ (and scripts/, benchmarks/)"}
-
-#: Arrows that run up, with the reason; each must still be a function-level import.
-UPWARD: dict[tuple[str, str], str] = {
-    ("speccompat.cli", "speccompat.demo"): "the `demo` command runs the dev tooling's tiny models",
-}
+               "data": "data product: dataset/, serve",
+               "dev": "dev tooling: testing/, evidence/ (and scripts/, benchmarks/)",
+               "entry": "command line: speccompat's commands over the three wings"}
 
 
 def floors() -> list[tuple[str, str, tuple[str, ...]]]:
@@ -188,28 +187,17 @@ def circles(graph: dict[str, dict[str, bool]]) -> list[list[str]]:
 def mermaid() -> str:
     """The picture of :data:`WINGS` that ``docs/architecture.md`` shows (a test compares the two): one
     box per wing, its floors bottom-up, an arrow from each wing's lowest floor to the top of the wing
-    below it (it may import all of it) and the upward arrows of :data:`UPWARD`, dotted."""
+    below it (it may import all of it)."""
     short = {"speccompat": "speccompat/__init__"}
     lines = ["flowchart BT"]
-    ids: dict[str, str] = {}
     for wing, fl in WINGS.items():
         lines.append(f'  subgraph {wing}["{WING_TITLES[wing]}"]')
         for f, (floor, names) in enumerate(fl):
             node = f"{wing}{f}"
-            for name in names:
-                ids[name] = node
             mods = ", ".join(short.get(n, n.removeprefix("speccompat.")) for n in names)
             lines.append(f'    {node}["{floor}: {mods}"]')
         lines += [f"    {wing}{f} --> {wing}{f - 1}" for f in range(len(fl) - 1, 0, -1)]
         lines.append("  end")
     wings = list(WINGS)
     lines += [f"  {upper}0 --> {lower}{len(WINGS[lower]) - 1}" for lower, upper in zip(wings[:-1], wings[1:], strict=True)]
-    lines += [f"  {ids[_declared(src)]} -.-> {ids[_declared(dst)]}" for src, dst in UPWARD]
     return "\n".join(lines)
-
-
-def _declared(module: str) -> str:
-    """The declared name of :data:`WINGS` that covers ``module``."""
-    i = floor_of(module)
-    names = floors()[i][2] if i is not None else ()
-    return max((n for n in names if module == n or module.startswith(n + ".")), key=len)
