@@ -631,3 +631,34 @@ def test_ray_is_optional_and_says_what_to_install(monkeypatch):
 
     code = "import speccompat, speccompat.dataset.parallel, speccompat.dataset.shards, sys; print('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("how", ["merge --inputs", "finish_job"])
+def test_finishing_a_sharded_set_reads_its_input_once(world, monkeypatch, how):
+    """The input (millions of lines in a real job) is scanned once: checked against the merged manifest,
+    and counted into the side files; a missing sample is still found."""
+    import types
+
+    from speccompat.dataset import shards
+
+    root, model, data, samples = world
+    out = root / "sharded"
+    for k in range(2):
+        run_shard(out, samples, provenance(model), k, 2)
+    scans = []
+    real = shards._scan_as_run
+    monkeypatch.setattr(shards, "_scan_as_run", lambda *a, **kw: scans.append(a[1]) or real(*a, **kw))
+
+    def finish(inputs):
+        if how == "finish_job":
+            return shards.finish_job(out, inputs)
+        return shards.main(types.SimpleNamespace(dir=out, inputs=inputs, limit=None, threads=2, token_freq_path=None,
+                                                 no_verify=False))
+
+    short = jsonl(root / "short.jsonl", [json.loads(x) for x in data.read_text().splitlines()[:-1]])
+    assert finish(short) == 1  # one sample of the set is not in this input: named, nothing finished
+    assert scans == [short]
+    scans.clear()
+    assert finish(data) == 0
+    assert scans == [data]
+    assert check_inputs(out, data) == ([], len(samples))

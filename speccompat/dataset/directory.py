@@ -100,6 +100,11 @@ class DatasetDir:
     def __init__(self, path: Path | str) -> None:
         self.root = Path(path)
 
+    @classmethod
+    def of(cls, where: DatasetDir | Path | str) -> DatasetDir:
+        """``where`` itself when it is a :class:`DatasetDir` (a command builds one and passes it on), else one for it."""
+        return where if isinstance(where, DatasetDir) else cls(where)
+
     def __str__(self) -> str:
         return str(self.root)
 

@@ -156,9 +156,9 @@ def _from_env(env: Mapping[str, str]) -> tuple[int, int, str]:
     return n, i, "RANK/WORLD_SIZE"
 
 
-def find_parts(out_dir: Path) -> list[Path]:
+def find_parts(out_dir: DatasetDir | Path) -> list[Path]:
     """The manifest parts in ``out_dir``, in name order."""
-    ddir = DatasetDir(out_dir)
+    ddir = DatasetDir.of(out_dir)
     return [ddir.path(n) for n in ddir.parts()]
 
 
@@ -360,13 +360,13 @@ def merged_run(sources: list[Manifest], parts: int, command: str | None = None) 
     return run
 
 
-def merge_dataset(out_dir: Path, threads: int = 4, *, command: str | None = None) -> MergeResult:
+def merge_dataset(out_dir: DatasetDir | Path, threads: int = 4, *, command: str | None = None) -> MergeResult:
     """Join the manifest parts of ``out_dir`` (and its ``manifest.jsonl``) into one ``manifest.jsonl``;
     raises :class:`Rejected` while a shard is running. Returns the join's problems (nothing is
     written when the parts disagree on provenance); verify the result with ``verify_dataset``.
     The merged header's ``run`` says what made the set (:func:`merged_run`; ``command``: the job's
     command, when the caller is the job)."""
-    ddir = DatasetDir(out_dir)
+    ddir = DatasetDir.of(out_dir)
     out_dir = ddir.root
     if not out_dir.is_dir():
         raise Rejected(f"{out_dir} is not a directory")
@@ -460,19 +460,24 @@ def _scan_as_run(prov: dict[str, Any], inputs: Path, limit: int | None) -> Any:
                       on_bad="skip", on_long="skip" if on_long == "fail" else on_long, limit=limit)
 
 
-def check_inputs(out_dir: Path, inputs: Path, limit: int | None = None) -> tuple[list[str], int]:
+def check_inputs(out_dir: DatasetDir | Path, inputs: Path, limit: int | None = None) -> tuple[list[str], int]:
     """Every sample of ``inputs`` (read as the run read it: the provenance's vocabulary, length and
     truncation) is in the data set exactly once, made from the same ids and mask, and the data set
     holds nothing else. (problems, number of input samples)."""
-    m = DatasetDir(out_dir).manifest()
+    m = DatasetDir.of(out_dir).manifest()
     if m.header is None:
         return [m.header_problem or f"{m.path}: no manifest header"], 0
     scan = _scan_as_run(m.provenance or {}, inputs, limit)
+    return _inputs_problems(m, scan.samples, inputs), len(scan.samples)
+
+
+def _inputs_problems(m: Manifest, samples: list[Sample], inputs: Path) -> list[str]:
+    """:func:`check_inputs` on a manifest read and an input scanned once (its ``samples``)."""
     by_id: dict[str, list[dict[str, Any]]] = {}
     for e in m.entries.values():
         by_id.setdefault(str(e["id"]), []).append(e)
     problems = []
-    for s in scan.samples:
+    for s in samples:
         es = by_id.pop(s.id, [])
         if not es:
             problems.append(f"id {s.id!r} (line {s.line} of {inputs}): missing from the data set")
@@ -482,7 +487,7 @@ def check_inputs(out_dir: Path, inputs: Path, limit: int | None = None) -> tuple
             problems.append(f"id {s.id!r} (line {s.line}): its file {es[0]['file']} was made from other input_ids/"
                             "loss_mask than the input's")
     problems += [f"id {i!r} ({es[0]['file']}): in the data set but not in {inputs}" for i, es in by_id.items()]
-    return problems, len(scan.samples)
+    return problems
 
 
 def add_parser(sub: Any) -> Any:
@@ -504,39 +509,37 @@ def main(args: Any) -> int:
     import sys
 
     out_dir: Path = args.dir
-    why = DatasetDir(out_dir).token_freq_problem(args.token_freq_path)
+    ddir = DatasetDir(out_dir)
+    why = ddir.token_freq_problem(args.token_freq_path)
     if why is not None:
         print(f"merge {out_dir}: {why}", file=sys.stderr)
         return EXIT_REJECTED
     try:
-        res = merge_dataset(out_dir, args.threads)
+        res = merge_dataset(ddir, args.threads)
         problems = list(res.problems)
-        header = DatasetDir(out_dir).manifest().header if (out_dir / MANIFEST_NAME).is_file() else None
-        if header is None:  # not a data set (or not one yet): nothing to verify or finish
+        m = ddir.manifest() if ddir.path(MANIFEST_NAME).is_file() else None
+        if m is None or m.header is None:  # not a data set (or not one yet): nothing to verify or finish
             for line in problems or [f"{MANIFEST_NAME}: no header that can be read: not a data set"]:
                 print(f"{out_dir}/{line}" if not line.startswith(str(out_dir)) else line)
             return EXIT_REJECTED
         print(f"merge {out_dir}: {len(res.parts)} part(s) joined, {res.entries} entries", file=sys.stderr)
         n = res.entries
         if not args.no_verify:  # the files; a layout's derived files once they are built
-            found, n = verify_dataset(out_dir, args.threads, view=False)
+            found, n = verify_dataset(ddir, args.threads, view=False)
             problems += found
         samples = None
-        if args.inputs is not None:
-            found, n_in = check_inputs(out_dir, args.inputs, args.limit)
-            problems += found
-            print(f"merge {out_dir}: {n_in} input samples checked against the data set", file=sys.stderr)
-            m = DatasetDir(out_dir).manifest()
+        if args.inputs is not None:  # the input is scanned once: checked, then what the side files count
             samples = _scan_as_run(m.provenance or {}, args.inputs, args.limit).samples
+            problems += _inputs_problems(m, samples, args.inputs)
+            print(f"merge {out_dir}: {len(samples)} input samples checked against the data set", file=sys.stderr)
         if not problems:
             try:
-                _finish(out_dir, samples, args.token_freq_path,
+                _finish(ddir, samples, args.token_freq_path,
                         {"train_data_path": str(args.inputs)} if args.inputs is not None else {})
             except Rejected as exc:  # a file the layout's side files are built from is not as recorded
                 problems.append(str(exc))
         if not problems and not args.no_verify:
-            ddir = DatasetDir(out_dir)
-            problems += check_view(ddir, ddir.manifest())
+            problems += check_view(ddir, ddir.manifest())  # read again: finishing rewrites the header
     except Rejected as exc:
         print(f"merge {out_dir}: {exc}", file=sys.stderr)
         return EXIT_REJECTED
@@ -556,18 +559,16 @@ def main(args: Any) -> int:
     return EXIT_FAILED if problems else EXIT_OK
 
 
-def _finish(out_dir: Path, samples: list[Any] | None, token_freq_path: Path | None,
+def _finish(ddir: DatasetDir, samples: list[Any] | None, token_freq_path: Path | None,
             extra: dict[str, Any] | None) -> None:
     """The data set's one finish path (:func:`speccompat.dataset.finish.finish_dataset`), after a merge."""
     from .finish import finish_dataset
 
-    finish_dataset(DatasetDir(out_dir), samples=samples, token_freq_path=token_freq_path, extra=extra)
+    finish_dataset(ddir, samples=samples, token_freq_path=token_freq_path, extra=extra)
 
 
-def check_present(out_dir: Path) -> list[str]:
-    """Cheap: every entry's file exists with the recorded size (no file is read)."""
-    ddir = DatasetDir(out_dir)
-    m = ddir.manifest()
+def check_present(ddir: DatasetDir, m: Manifest) -> list[str]:
+    """Cheap: every entry of ``m`` has its file in ``ddir`` with the recorded size (no file is read)."""
     problems = []
     for f, e in m.entries.items():
         try:
@@ -580,29 +581,31 @@ def check_present(out_dir: Path) -> list[str]:
     return problems
 
 
-def finish_job(out_dir: Path, inputs: Path, *, limit: int | None = None, token_freq_path: Path | None = None,
+def finish_job(out_dir: DatasetDir | Path, inputs: Path, *, limit: int | None = None, token_freq_path: Path | None = None,
                extra: dict[str, Any] | None = None, command: str | None = None) -> int:
     """After every shard of a job succeeded: merge the parts, check that every input sample is
     present once (and every file with its size; each shard checked what it skipped and wrote the
     rest with checksums, so no file is read again: ``speccompat verify`` does that), and write the
     layout's side files (the one finish path). 0 when all is well, 1 otherwise."""
-    out_dir = Path(out_dir)
-    res = merge_dataset(out_dir, command=command)
+    ddir = DatasetDir.of(out_dir)
+    res = merge_dataset(ddir, command=command)
     problems = list(res.problems)
-    if (out_dir / MANIFEST_NAME).is_file():
-        problems += check_present(out_dir)
-        found, n = check_inputs(out_dir, inputs, limit)
-        problems += found
-    else:
-        n = 0
+    samples: list[Any] = []
+    if ddir.path(MANIFEST_NAME).is_file():  # the merged manifest is read once and the input scanned once
+        m = ddir.manifest()
+        if m.header is None:
+            problems.append(m.header_problem or f"{m.path}: no manifest header")
+        else:
+            problems += check_present(ddir, m)
+            samples = _scan_as_run(m.provenance or {}, inputs, limit).samples
+            problems += _inputs_problems(m, samples, inputs)
     for line in problems[:50]:
         logger.error("%s: %s", out_dir, line)
     if problems:
         logger.error("the merged data set %s has %d problem(s)%s", out_dir, len(problems),
                      " (first 50 shown)" if len(problems) > 50 else "")
         return EXIT_FAILED
-    prov = DatasetDir(out_dir).manifest().provenance or {}
-    _finish(out_dir, _scan_as_run(prov, inputs, limit).samples, token_freq_path, extra)
+    _finish(ddir, samples, token_freq_path, extra)
     logger.info("data set %s complete: %d manifest part(s) merged, all %d input samples present once", out_dir,
-                len(res.parts), n)
+                len(res.parts), len(samples))
     return EXIT_OK

@@ -40,13 +40,13 @@ def check_view(ddir: DatasetDir, m: Any, layout: Any = None) -> list[str]:
     return layout.check_view(ddir.root, m) if hasattr(layout, "check_view") else []
 
 
-def verify_dataset(out_dir: Path, threads: int = 4, *, view: bool = True,
+def verify_dataset(out_dir: DatasetDir | Path, threads: int = 4, *, view: bool = True,
                    own_lock: bool = False) -> tuple[list[str], int]:
     """(problems, number of entries checked). ``view`` False leaves a layout's derived files
     unchecked (a merge checks them once it has built them). A set a run is writing (its lock held)
     gets that as its first problem, and its names not in the manifest are not listed (they are
     that run's files in progress); ``own_lock``: the caller is that writer, and has finished."""
-    ddir = DatasetDir(out_dir)
+    ddir = DatasetDir.of(out_dir)
     m = ddir.manifest()
     problems = list(m.problems)
     if m.header is None:
@@ -156,7 +156,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     out_dir: Path = args.dir
     ddir = DatasetDir(out_dir)
-    if not out_dir.is_dir() or not (out_dir / MANIFEST_NAME).is_file():
+    if not out_dir.is_dir() or not ddir.path(MANIFEST_NAME).is_file():
         parts = ddir.parts() if out_dir.is_dir() else []
         hint = f"; it holds {len(parts)} manifest part(s): run `speccompat merge {out_dir}`" if parts else ""
         if out_dir.is_dir() and (writing := being_written(ddir)) is not None:
@@ -164,7 +164,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{out_dir}: not a data set directory (no {MANIFEST_NAME}){hint}", file=sys.stderr)
         return EXIT_REJECTED
     try:
-        problems, n = verify_dataset(out_dir, args.threads)
+        problems, n = verify_dataset(ddir, args.threads)
     except DatasetError as exc:  # e.g. a manifest that is a symbolic link
         print(f"verify {out_dir}: {exc}", file=sys.stderr)
         return exc.exit_status
