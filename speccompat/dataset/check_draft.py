@@ -114,19 +114,22 @@ def _from_provenance(prov: Any, source: Path) -> DatasetLayers:
 
 def _manifest_header(ds: Path) -> DatasetLayers | None:
     from .directory import DatasetDir
-    from .shards import HEADER_NAME
+    from .names import HEADER_NAME
 
-    manifest = DatasetDir(ds).manifest()
+    ddir = DatasetDir(ds)
+    manifest = ddir.manifest()
     if manifest.header is not None:
         return _from_provenance(manifest.provenance, manifest.path)
-    if (ds / HEADER_NAME).is_file():
-        head = _read_json(ds / HEADER_NAME)
-        return _from_provenance(head.get("provenance") if isinstance(head, dict) else None, ds / HEADER_NAME)
+    if (path := ddir.path(HEADER_NAME)).is_file():
+        head = _read_json(path)
+        return _from_provenance(head.get("provenance") if isinstance(head, dict) else None, path)
     return None
 
 
 def _provenance_json(ds: Path) -> DatasetLayers | None:
-    path = ds / "provenance.json"
+    from .names import PROVENANCE_NAME
+
+    path = ds / PROVENANCE_NAME  # speccompat serve's, in a directory of another layout
     if not path.is_file():
         return None
     obj = _read_json(path)

@@ -72,7 +72,7 @@ class _Sample:
         return len(self.input_ids)
 
 
-def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, layer_ids: list[int],
+def _read_source(sdir: DatasetDir, entry: dict[str, Any], layout: Any, digest: Any, layer_ids: list[int],
                  dequantize_dtype: Any = None, *, prov: dict[str, Any] | None = None,
                  prov_sha: str | None = None) -> tuple[_Sample, dict[int, Any]]:
     """One source sample, checked as it is read: its tensors against the manifest's checksums and,
@@ -81,7 +81,7 @@ def _read_source(src: Path, entry: dict[str, Any], layout: Any, digest: Any, lay
     from .directory import _verify_contents
     from .inputs import input_digest
 
-    path = DatasetDir(src).path(entry["file"])
+    src, path = sdir.root, sdir.path(entry["file"])
     try:
         _meta, raw, keep = layout.read(path)
     except (OSError, ValueError) as exc:
@@ -132,7 +132,7 @@ def staging_dir(out: Path) -> Path:
     return r.with_name(r.name + EXPORT_STAGING)
 
 
-def _source_lock(src: Path) -> Any:
+def _source_lock(sdir: DatasetDir) -> Any:
     """A shared flock on the source's lock file for the export's life (None: the source has none, no
     extraction ever ran in it). :class:`Rejected` while an extraction or a shard holds it, as merge
     refuses: what it has not finished is not a data set to export. Opened read-only (a read-only
@@ -141,7 +141,7 @@ def _source_lock(src: Path) -> Any:
 
     from .directory import PART_LOCK_RE
 
-    sdir = DatasetDir(src)
+    src = sdir.root
     names = [LOCK_NAME, *(n for n in sdir.names() if PART_LOCK_RE.match(n))]
     held = None
     for name in names:
@@ -167,19 +167,17 @@ def _source_lock(src: Path) -> Any:
     return held
 
 
-def _clear_staging(stage: Path) -> None:
-    """Remove a staging folder an interrupted export left, saying what it held; :class:`Rejected`
-    while another export holds it, or when it is a link or not a folder."""
-    parent = DatasetDir(stage.parent)
-    parent.check_own_dirs([stage.name])
-    sdir = DatasetDir(stage)
-    if os.path.lexists(sdir.path(LOCK_NAME)) and sdir.held(LOCK_NAME):
+def _clear_staging(parent: DatasetDir, stage: DatasetDir) -> None:
+    """Remove the staging folder ``stage`` (in ``parent``) an interrupted export left, saying what it held;
+    :class:`Rejected` while another export holds it, or when it is a link or not a folder."""
+    parent.check_own_dirs([stage.root.name])
+    if os.path.lexists(stage.path(LOCK_NAME)) and stage.held(LOCK_NAME):
         raise Rejected(f"another export is writing to {stage} (its staging folder): wait for it to end")
-    names = sdir.names()
-    entries = len(sdir.manifest().entries) if MANIFEST_NAME in names else 0
+    names = stage.names()
+    entries = len(stage.manifest().entries) if MANIFEST_NAME in names else 0
     logger.warning("%s: found the staging folder of an interrupted export (%d file(s), %d sample(s) in its "
                    "manifest): removed; exporting anew", stage, len([n for n in names if n != LOCK_NAME]), entries)
-    parent.remove_own_dir(stage.name)
+    parent.remove_own_dir(stage.root.name)
 
 
 @contextlib.contextmanager
@@ -236,9 +234,10 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
                        f"{dtype or 'the source stores it'}): drop it, or pass --dtype fp8")
     if not src.is_dir():
         raise Rejected(f"{src}: not a directory")
-    src_lock = _source_lock(src)
+    sdir = DatasetDir(src)
+    src_lock = _source_lock(sdir)
     try:
-        return _export_checked(src, to, out, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
+        return _export_checked(sdir, to, out, threads=threads, max_in_flight_bytes=max_in_flight_bytes,
                                progress=progress, dtype=dtype, fp8_scale=fp8_scale, tqdm=tqdm, fp8=fp8,
                                open_dataset=OpenDataset, verify=verify_dataset)
     finally:
@@ -246,10 +245,10 @@ def export_dataset(src: Path, to: str, out: Path, *, threads: int = 4, max_in_fl
             os.close(src_lock)
 
 
-def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_flight_bytes: int, progress: bool,
+def _export_checked(sdir: DatasetDir, to: str, out: Path, *, threads: int, max_in_flight_bytes: int, progress: bool,
                     dtype: str | None, fp8_scale: str | None, tqdm: Any, fp8: Any, open_dataset: Any,
                     verify: Any) -> list[str]:
-    sdir = DatasetDir(src)
+    src = sdir.root
     m = sdir.manifest()
     parts = sdir.parts()
     merge_hint = (f"; it holds {len(parts)} manifest part(s) of a sharded extraction not merged: run "
@@ -283,10 +282,10 @@ def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_fligh
     stage_path = staging_dir(out)
     if _is_within(stage_path, src):
         raise Rejected(f"{stage_path} (where export builds the new set) is inside the source {src}")
-    ddir = DatasetDir(out)
+    ddir, stage = DatasetDir(out), DatasetDir(stage_path)
     layout = layout_named(target, layer_ids, num_layers)
     freq_final = ddir.token_freq_path() if layout.token_freq_beside else None
-    freq_staged = DatasetDir(stage_path).token_freq_path() if freq_final is not None else None
+    freq_staged = stage.token_freq_path() if freq_final is not None else None
     if os.path.lexists(out):
         extra = [n for n in os.listdir(out) if n != LOCK_NAME]
         if extra:
@@ -316,7 +315,7 @@ def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_fligh
     except ValueError:
         raise Rejected(f"{out}: its name is too long for the staging folder {stage_path.name!r} beside it") from None
     if os.path.lexists(stage_path):
-        _clear_staging(stage_path)
+        _clear_staging(pdir, stage)
     if freq_staged is not None and os.path.lexists(freq_staged):
         os.unlink(freq_staged)  # a leftover of an interrupted export (a file, or a link: removed itself)
     try:
@@ -324,10 +323,9 @@ def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_fligh
     except OSError as exc:
         raise Rejected(f"cannot create {stage_path} (export builds the new set there, beside {out}): "
                        f"{exc.strerror or exc}") from None
-    stage = DatasetDir(stage_path)
     try:
         with stage.lock(busy=f"another export is writing to {stage_path}"), _export_words(out, stage_path):
-            problems = _export_staged(src, m, src_layout, src_spec, to, stage, layout, spec, prov, freq_staged,
+            problems = _export_staged(sdir, m, src_layout, src_spec, to, stage, layout, spec, prov, freq_staged,
                                       threads=threads, max_in_flight_bytes=max_in_flight_bytes, progress=progress,
                                       tqdm=tqdm, open_dataset=open_dataset, verify=verify)
             if problems:
@@ -350,7 +348,7 @@ def _export_checked(src: Path, to: str, out: Path, *, threads: int, max_in_fligh
                 freq_staged.unlink()
 
 
-def _export_staged(src: Path, m: Manifest, src_layout: Any, src_spec: StoredSpec, to: str, stage: DatasetDir,
+def _export_staged(sdir: DatasetDir, m: Manifest, src_layout: Any, src_spec: StoredSpec, to: str, stage: DatasetDir,
                    layout: Any, spec: StoredSpec, prov: dict[str, Any], freq_staged: Path | None, *, threads: int,
                    max_in_flight_bytes: int, progress: bool, tqdm: Any, open_dataset: Any, verify: Any) -> list[str]:
     """Write and verify the new set in ``stage``; returns verify's problems (empty: ready to publish)."""
@@ -358,7 +356,7 @@ def _export_staged(src: Path, m: Manifest, src_layout: Any, src_spec: StoredSpec
 
     from . import fp8
 
-    src_dtype, src_layer_ids, layer_ids = src_spec.dtype, list(src_spec.layer_ids), list(spec.layer_ids)
+    src, src_dtype, src_layer_ids, layer_ids = sdir.root, src_spec.dtype, list(src_spec.layer_ids), list(spec.layer_ids)
     target = layout.name
     new_prov = prov_mod.with_spec(prov, spec)
     new_prov["layout"] = target
@@ -380,7 +378,7 @@ def _export_staged(src: Path, m: Manifest, src_layout: Any, src_spec: StoredSpec
     with ds.writer(threads=threads, max_in_flight_bytes=max_in_flight_bytes, check_cast=spec.dtype != src_dtype) as w:
         for k, e in enumerate(tqdm(entries, desc=f"export {src.name} -> {to}", unit="sample",
                                    disable=not progress)):
-            sample, by_layer = _read_source(src, e, src_layout, digest, src_layer_ids, exact, prov=prov,
+            sample, by_layer = _read_source(sdir, e, src_layout, digest, src_layer_ids, exact, prov=prov,
                                             prov_sha=m.header.get("provenance_sha256"))
             files[sample.id] = layout.file_name(sample.id, k)
             w.submit([ds.job(sample, [by_layer[i] for i in layer_ids])])

@@ -27,11 +27,13 @@ from typing import Any
 
 __all__ = ["ARROW_BUILD_DIR", "ARROW_HS_DIR", "ARROW_INFO_NAME", "ARROW_STATE", "ARROW_TOKEN_FREQ",
            "EXPORT_STAGING", "HEADER_LOCK_NAME", "HEADER_NAME", "LOCK_NAME", "MANIFEST_NAME", "MAX_STEM", "OWN_DIRS",
-           "PART_LOCK_RE", "PART_RE", "SPECULATORS_SIDE_FILES", "TMP_SUFFIX", "TRASH_NAME", "bad_name", "id_for_name",
+           "PART_LOCK_RE", "PART_RE", "PROVENANCE_NAME", "SPECULATORS_SIDE_FILES", "TMP_SUFFIX", "TRASH_NAME", "bad_name", "id_for_name",
            "name_for_id", "part_lock_name", "part_name", "tmp_name", "token_freq_beside"]
 
 #: The manifest of a whole run (and of a merged set).
 MANIFEST_NAME = "manifest.jsonl"
+#: What ``speccompat serve`` records beside the hidden states it stores (its ``--hidden-states-dir``).
+PROVENANCE_NAME = "provenance.json"
 #: The header every shard of a data set shares (created once by the first shard).
 HEADER_NAME = "manifest.header.json"
 #: The extraction's lock (one writer per directory).

@@ -282,7 +282,9 @@ def write_provenance(args: argparse.Namespace, info: Any, status: Any, gen: Any 
     prov = collect_provenance(model_path=args.model_path, info=info, spec=spec, max_seq_len=args.max_model_len - 1,
                               on_long_line="refuse", tensor_parallel_size=args.tp_size,
                               layout=f"speccompat-serve-{args.backend}", status=status)
-    path = Path(args.hidden_states_dir) / "provenance.json"
+    from speccompat.dataset.names import PROVENANCE_NAME
+
+    path = Path(args.hidden_states_dir) / PROVENANCE_NAME
     write_atomic(path, (json.dumps({"provenance": prov}, indent=1) + "\n").encode())
     return path
 
