@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from speccompat.testing.proof import merge, partition
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_partition_balances_engine_starts_and_keeps_groups_whole():
@@ -63,3 +66,40 @@ def test_merge_refuses_shards_of_other_code_and_writes_nothing(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "speccompat.testing.proof", "merge", str(empty), "--out",
                            str(tmp_path / "o2"), "--wall", "1"], capture_output=True, text=True)
     assert proc.returncode != 0 and "no shard wrote evidence" in proc.stderr
+
+
+@pytest.mark.parametrize("entry", ["run", "run_native"])
+def test_the_proofs_oracle_engines_get_a_fixed_kv_cache_and_others_vllms_default(monkeypatch, tmp_path, entry):
+    """Side by side on one GPU, vLLM's memory profiling fails when another shard's engine frees memory: the
+    proof gives vLLM's own engines (the oracles) a fixed KV cache; without the setting, vLLM sizes it."""
+    import types
+
+    from speccompat.testing import serving
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def llm(**kw):
+        seen.append(kw)
+        raise Stop
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = llm, object
+    ehs = types.ModuleType("ehs")
+    for name, mod in {"vllm": vllm, "vllm.distributed": ehs, "vllm.distributed.kv_transfer": ehs,
+                      "vllm.distributed.kv_transfer.kv_connector": ehs,
+                      "vllm.distributed.kv_transfer.kv_connector.v1": ehs}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    ehs.example_hidden_states_connector = ehs
+    monkeypatch.setattr(serving, "cpu_mla_rotary_fix", lambda model: {})  # reads vLLM's platform
+    for value, want in (("", None), (str(2 << 30), 2 << 30)):
+        monkeypatch.setenv(serving.ORACLE_KV_CACHE_ENV, value)
+        with pytest.raises(Stop):
+            getattr(serving, entry)(str(tmp_path), [1, 3], [[5, 6, 7]])
+        assert seen[-1].get("kv_cache_memory_bytes") == want
+        assert seen[-1]["gpu_memory_utilization"] == 0.1  # the rest as before
+    script = (REPO_ROOT / "scripts" / "gpu" / "device_run.sh").read_text()
+    proof = script.split("\n  proof)", 1)[1].split("\n    ;;", 1)[0]
+    assert f"{serving.ORACLE_KV_CACHE_ENV}=$((2 << 30))" in proof

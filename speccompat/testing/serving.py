@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any, NamedTuple
 
 __all__ = ["AuxCaptureExtension", "LayerHookExtension", "OracleAgreement", "agreement", "native_engine_args", "run",
@@ -182,6 +183,20 @@ def cpu_mla_rotary_fix(model: str) -> dict[str, Any]:
     return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if text.get("kv_lora_rank") else {}
 
 
+#: A fixed KV cache for the oracles' engines (bytes), set where several engines start side by side on one GPU
+#: (``scripts/gpu/device_run.sh proof``): vLLM's memory profiling assumes no other process frees GPU memory while
+#: it measures (``gpu_worker.determine_available_memory``: "Error in memory profiling ... other processes sharing
+#: the same container release GPU memory"), and another shard's engine exiting breaks that. The size of the KV
+#: cache is all it changes: not one computation of the states.
+ORACLE_KV_CACHE_ENV = "SPECCOMPAT_ORACLE_KV_CACHE_BYTES"
+
+
+def fixed_kv_cache() -> dict[str, Any]:
+    """``LLM(...)``'s ``kv_cache_memory_bytes`` from :data:`ORACLE_KV_CACHE_ENV`, when it is set."""
+    value = os.environ.get(ORACLE_KV_CACHE_ENV, "")
+    return {"kv_cache_memory_bytes": int(value)} if value else {}
+
+
 def run(model: str, aux_ids: list[int], sequences: list[list[int]], *, repeat: int = 1,
         max_model_len: int = 1024, gpu_memory_utilization: float = 0.1, layer_hooks: bool = False,
         max_num_batched_tokens: int = 0) -> dict[str, Any]:
@@ -189,7 +204,7 @@ def run(model: str, aux_ids: list[int], sequences: list[list[int]], *, repeat: i
 
     llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len, enable_prefix_caching=False,
               max_num_batched_tokens=max_num_batched_tokens or max(2048, max_model_len), max_num_seqs=8,
-              gpu_memory_utilization=gpu_memory_utilization, **cpu_mla_rotary_fix(model),
+              gpu_memory_utilization=gpu_memory_utilization, **cpu_mla_rotary_fix(model), **fixed_kv_cache(),
               worker_extension_cls="speccompat.testing.serving."
                                    + ("LayerHookExtension" if layer_hooks else "AuxCaptureExtension"))
     (model_class,) = llm.collective_rpc("speccompat_set_aux_layers", args=(list(aux_ids),))
@@ -234,7 +249,7 @@ def run_native(model: str, aux_ids: list[int], sequences: list[list[int]], *, ma
     try:
         llm = LLM(model=model, enforce_eager=True, max_model_len=max_model_len,
                   max_num_batched_tokens=max(2048, max_model_len), max_num_seqs=8,
-                  gpu_memory_utilization=gpu_memory_utilization, **cpu_mla_rotary_fix(model),
+                  gpu_memory_utilization=gpu_memory_utilization, **cpu_mla_rotary_fix(model), **fixed_kv_cache(),
                   **native_engine_args(aux_ids, store, cpu_connector))
         params = SamplingParams(max_tokens=1, temperature=0.0)
         results = []
