@@ -72,6 +72,7 @@ def test_merge_refuses_shards_of_other_code_and_writes_nothing(tmp_path):
 def test_the_proofs_oracle_engines_get_a_fixed_kv_cache_and_others_vllms_default(monkeypatch, tmp_path, entry):
     """Side by side on one GPU, vLLM's memory profiling fails when another shard's engine frees memory: the
     proof gives vLLM's own engines (the oracles) a fixed KV cache; without the setting, vLLM sizes it."""
+    import importlib.util
     import types
 
     from speccompat.testing import serving
@@ -93,6 +94,8 @@ def test_the_proofs_oracle_engines_get_a_fixed_kv_cache_and_others_vllms_default
                       "vllm.distributed.kv_transfer.kv_connector.v1": ehs}.items():
         monkeypatch.setitem(sys.modules, name, mod)
     ehs.example_hidden_states_connector = ehs
+    if importlib.util.find_spec("torch") is None:  # run_native imports it before the engine (the torch-free run)
+        monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
     monkeypatch.setattr(serving, "cpu_mla_rotary_fix", lambda model: {})  # reads vLLM's platform
     for value, want in (("", None), (str(2 << 30), 2 << 30)):
         monkeypatch.setenv(serving.ORACLE_KV_CACHE_ENV, value)
