@@ -464,15 +464,16 @@ def check_inputs(out_dir: DatasetDir | Path, inputs: Path, limit: int | None = N
     """Every sample of ``inputs`` (read as the run read it: the provenance's vocabulary, length and
     truncation) is in the data set exactly once, made from the same ids and mask, and the data set
     holds nothing else. (problems, number of input samples)."""
-    m = DatasetDir.of(out_dir).manifest()
+    problems, samples = _against_inputs(DatasetDir.of(out_dir).manifest(), inputs, limit)
+    return problems, len(samples)
+
+
+def _against_inputs(m: Manifest, inputs: Path, limit: int | None) -> tuple[list[str], list[Sample]]:
+    """:func:`check_inputs` on a manifest already read: (problems, the input's samples, scanned once; what a
+    merge then counts into the layout's side files)."""
     if m.header is None:
-        return [m.header_problem or f"{m.path}: no manifest header"], 0
-    scan = _scan_as_run(m.provenance or {}, inputs, limit)
-    return _inputs_problems(m, scan.samples, inputs), len(scan.samples)
-
-
-def _inputs_problems(m: Manifest, samples: list[Sample], inputs: Path) -> list[str]:
-    """:func:`check_inputs` on a manifest read and an input scanned once (its ``samples``)."""
+        return [m.header_problem or f"{m.path}: no manifest header"], []
+    samples = _scan_as_run(m.provenance or {}, inputs, limit).samples
     by_id: dict[str, list[dict[str, Any]]] = {}
     for e in m.entries.values():
         by_id.setdefault(str(e["id"]), []).append(e)
@@ -487,7 +488,7 @@ def _inputs_problems(m: Manifest, samples: list[Sample], inputs: Path) -> list[s
             problems.append(f"id {s.id!r} (line {s.line}): its file {es[0]['file']} was made from other input_ids/"
                             "loss_mask than the input's")
     problems += [f"id {i!r} ({es[0]['file']}): in the data set but not in {inputs}" for i, es in by_id.items()]
-    return problems
+    return problems, samples
 
 
 def add_parser(sub: Any) -> Any:
@@ -529,8 +530,8 @@ def main(args: Any) -> int:
             problems += found
         samples = None
         if args.inputs is not None:  # the input is scanned once: checked, then what the side files count
-            samples = _scan_as_run(m.provenance or {}, args.inputs, args.limit).samples
-            problems += _inputs_problems(m, samples, args.inputs)
+            found, samples = _against_inputs(m, args.inputs, args.limit)
+            problems += found
             print(f"merge {out_dir}: {len(samples)} input samples checked against the data set", file=sys.stderr)
         if not problems:
             try:
@@ -593,12 +594,8 @@ def finish_job(out_dir: DatasetDir | Path, inputs: Path, *, limit: int | None = 
     samples: list[Any] = []
     if ddir.path(MANIFEST_NAME).is_file():  # the merged manifest is read once and the input scanned once
         m = ddir.manifest()
-        if m.header is None:
-            problems.append(m.header_problem or f"{m.path}: no manifest header")
-        else:
-            problems += check_present(ddir, m)
-            samples = _scan_as_run(m.provenance or {}, inputs, limit).samples
-            problems += _inputs_problems(m, samples, inputs)
+        found, samples = _against_inputs(m, inputs, limit)
+        problems += (check_present(ddir, m) if m.header is not None else []) + found
     for line in problems[:50]:
         logger.error("%s: %s", out_dir, line)
     if problems:
